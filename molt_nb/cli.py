@@ -48,9 +48,9 @@ def _parser():
     s = sub.add_parser("sample", help="sample from a tiny model with the TorchEngine and print every token")
     s.add_argument("--model", default="dense", help="'dense', 'moe', or a local HF checkpoint directory")
     s.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    s.add_argument("--max-tokens", type=int, default=12)
+    s.add_argument("--max-tokens", type=int, default=16)
     s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--update-at", type=int, default=6, help="load new weights after this many tokens per request (-1: never)")
+    s.add_argument("--update-at", type=int, default=4, help="load new weights after this many tokens per request (-1: never)")
     s.add_argument("--seed", type=int, default=0)
     return p
 
