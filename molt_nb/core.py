@@ -46,6 +46,7 @@ def _per_row(value, x:Tensor, dtype=torch.float32) -> Tensor:
 
 def _filters_off(top_k, top_p, vocab_size:int) -> bool:
     "True when no row filters by top-k or top-p, so the logits need no sort"
+    if isinstance(top_k, int) and isinstance(top_p, (int, float)): return (top_k <= 0 or top_k >= vocab_size) and top_p >= 1
     k, p = torch.as_tensor(top_k), torch.as_tensor(top_p)
     return bool(((k <= 0) | (k >= vocab_size)).all() and (p >= 1).all())
 
