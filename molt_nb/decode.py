@@ -126,12 +126,21 @@ def qwen3_decodable(model) -> bool:
             and all(l.self_attn.q_proj.bias is None for l in model.model.layers))
 
 # %% ../nbs/02_decode.ipynb #e9571146
+def _rehome_down(experts) -> torch.Tensor:
+    "Store the experts' down projections `(E, D, I)` as a view of an `(E*I, D)` matrix, returned: one matmul sums over experts."
+    E, D, I = experts.down_proj.shape
+    rows = experts.down_proj.data.transpose(1, 2).contiguous() # (E, I, D)
+    experts.down_proj.data = rows.transpose(1, 2) # same values and shape, new storage
+    return rows.view(E * I, D)
+
+# %% ../nbs/02_decode.ipynb #41d97cf4
 class Qwen3Decoder:
     "One-token decode step for the Qwen3 family over fused views of the model's own weights."
     def __init__(self, model, max_len:int): # positions the rotary table covers
         self.model, m = model, model.model
         self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in m.layers]
         self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in m.layers]
+        self.down = [_rehome_down(l.mlp.experts) if hasattr(l.mlp, "experts") else None for l in m.layers]
         cos, sin = (t[0] for t in m.rotary_emb(m.embed_tokens.weight[:1], torch.arange(max_len)[None]))
         half = sin.shape[-1] // 2 # identical to per-position calls: the table is elementwise in the position
         self.cos, self.sin_rot = cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)
@@ -147,7 +156,7 @@ class Qwen3Decoder:
         for i, layer in enumerate(m.layers):
             x = self._attention(i, layer, x, rope, mask, cache)
             h = _norm(x, layer.post_attention_layernorm.weight, self.eps)
-            if self.gate_up[i] is None: x = x + self._moe(layer.mlp, h)
+            if self.gate_up[i] is None: x = x + self._moe(i, layer.mlp, h)
             else:
                 gate, up = F.linear(h, self.gate_up[i]).chunk(2, -1)
                 x = torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
@@ -155,7 +164,7 @@ class Qwen3Decoder:
 
 # %% ../nbs/02_decode.ipynb #f5f23733
 @patch
-def _moe(self:Qwen3Decoder, mlp, h):
+def _moe(self:Qwen3Decoder, i, mlp, h):
     "Sparse MoE block for one token per row: (S, D) -> (S, D)."
     _, weights, experts = mlp.gate(h) # (S, top_k) each
     e, S = mlp.experts, len(h)
@@ -163,7 +172,7 @@ def _moe(self:Qwen3Decoder, mlp, h):
     gate, up = F.linear(h, e.gate_up_proj.view(-1, h.shape[1])).view(S, e.num_experts, -1).chunk(2, -1) # (S, E, I)
     mix = torch.zeros(S, e.num_experts, 1, dtype=h.dtype).scatter_(1, experts[..., None], weights[..., None].to(h.dtype))
     act = (e.act_fn(gate) * up * mix).view(S, -1) # (S, E*I), zero for experts a row did not pick
-    return act @ e.down_proj.transpose(1, 2).reshape(act.shape[1], -1) # sum over experts inside one matmul
+    return act @ self.down[i] # sums over experts inside one matmul
 
 # %% ../nbs/02_decode.ipynb #28c4150f
 @patch
