@@ -312,8 +312,8 @@ def _sample(self:TorchEngine, logits, start:int=0):
     cdf = logp.exp().cumsum(-1)
     u = r.uniform[rows].gather(1, c[:, None]) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True)
-    tok = torch.where(tok == logits.shape[-1], logp.argmax(-1, keepdim=True), tok) # u rounded up to the total
-    if greedy: tok = torch.where(t[:, None] == 0, logp.argmax(-1, keepdim=True), tok)
+    past_end = tok == logits.shape[-1] # u rounded up to the total: rare, so checked before paying for argmax
+    if greedy or past_end.any(): tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
     r.tokens[rows].scatter_(1, c[:, None], tok)
     r.logprobs[rows].scatter_(1, c[:, None], logp.gather(-1, tok))
     r.versions[rows].scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
