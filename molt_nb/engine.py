@@ -94,7 +94,8 @@ class _Request:
             if self.future.done(): return
             if error is not None: self.future.set_exception(error)
             else: self.future.set_result(value)
-        self.loop.call_soon_threadsafe(done)
+        try: self.loop.call_soon_threadsafe(done)
+        except RuntimeError: pass # the caller's loop is closed: nobody is waiting, and the engine must live on
 
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
@@ -161,8 +162,11 @@ async def _command(self:TorchEngine, fn):
     def run():
         try: res, err = fn(), None
         except Exception as e: res, err = None, e
-        loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
-    with self._cv: self._commands.append(run); self._cv.notify()
+        try: loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
+        except RuntimeError: pass # the caller's loop is closed
+    with self._cv:
+        if self._closed: raise RuntimeError("the engine is closed")
+        self._commands.append(run); self._cv.notify()
     return await fut
 
 @patch
