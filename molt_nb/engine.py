@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
-from .core import SamplingParams, process_logits
+from .core import SamplingParams, filters_off, process_logits
 from .decode import SlotCache, Qwen3Decoder, qwen3_decodable, cache_dims, prefill_inputs, counter_uniform, grow
 from .models import moe_gates, route_shape
 
@@ -61,8 +61,7 @@ class _Rows:
 
     def flags(self, vocab_size) -> tuple:
         "(any row filters by top-k/top-p, any row is greedy, any row has stop ids): skip what no row needs."
-        filtered = bool((((self.top_k > 0) & (self.top_k < vocab_size)) | (self.top_p < 1)).any())
-        return filtered, bool((self.temperature == 0).any()), bool((self.stop >= 0).any())
+        return not filters_off(self.top_k, self.top_p, vocab_size), bool((self.temperature == 0).any()), bool((self.stop >= 0).any())
 
     def cat(self, other):
         "Rows of `self` then `other`, padding per-token columns to the wider one."
@@ -144,12 +143,12 @@ async def generate(self:TorchEngine,
         raise ValueError(f"generate: the prompt has {len(prompt)} tokens and max_model_len is {self.max_model_len}: "
                          "shorten the prompt or raise max_model_len")
     loop = asyncio.get_running_loop()
-    key = hash((self._seed, self._submitted)) & 0xFFFFFFFF # int hashing is deterministic across processes
-    self._submitted += 1
-    req = _Request(prompt, sampling, min(sampling.max_tokens, room), key, loop.create_future(), loop)
+    req = _Request(prompt, sampling, min(sampling.max_tokens, room), 0, loop.create_future(), loop)
     req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
-    with self._cv:
+    with self._cv: # keys are allocated under the lock: callers on two threads never share one
         if self._closed: raise RuntimeError("generate: the engine is closed")
+        req.key = hash((self._seed, self._submitted)) & 0xFFFFFFFF # int hashing is deterministic across processes
+        self._submitted += 1
         self._pending.append(req); self._cv.notify()
     return await req.future
 
@@ -211,7 +210,7 @@ def close(self:TorchEngine):
 # %% ../nbs/02_engine.ipynb #0bd14d3d
 @patch
 def _next_work(self:TorchEngine):
-    "Block until there is something to do; return (commands, requests to admit), or None to exit."
+    "Block until there is something to do; return the queued commands, or None to exit."
     with self._cv:
         while not (self._closed or self._commands or (not self._paused and (self._pending or self._reqs))):
             self._cv.wait()
