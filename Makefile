@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test setup check-clean check-export check-readme nbtest nbval pytest readme
+.PHONY: golden run test setup check-clean check-export check-readme nbtest nbval pytest readme
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ check-clean: setup
 
 check-export: setup
 	$(call unchanged,molt_nb -name '*.py',$(BIN)/nbdev-export,molt_nb/ differs from what the notebooks export: commit the export and never edit molt_nb/ by hand.)
+
+## make golden: record the outputs of every golden case (after a deliberate change to an algorithm; commit the JSON).
+golden: setup
+	$(BIN)/python -c 'from molt_nb.golden import update_golden; print(*update_golden(), sep="\n")'
 
 readme: setup
 	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --output README --output-dir . --log-level=ERROR
