@@ -6,7 +6,7 @@
 __all__ = ['GOLDEN_VERSION', 'GOLDEN_CASES', 'GOLDEN_MODULES', 'Golden', 'golden', 'GoldenDiff', 'golden_dir', 'golden_diff',
            'golden_case', 'check_golden', 'record_golden', 'update_golden']
 
-# %% ../nbs/06_golden.ipynb #6b423af1
+# %% ../nbs/06_golden.ipynb #d6f5bbb7
 import importlib, json, os, tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from .core import Segment, Trajectory, Batch, collate
 
-# %% ../nbs/06_golden.ipynb #9bc4cc85
+# %% ../nbs/06_golden.ipynb #2fc17c95
 GOLDEN_VERSION = 5 # the trainer's policy version when the golden batch is trained on
 
 # (group, reward, segments); a segment is a list of pieces: ('o', n) observation tokens or ('a', n, version) actions
@@ -40,7 +40,7 @@ def _unit(*key:int) -> float:
     for k in key: h = (h * 1000003 + k * 2654435761 + 12345) % 4294967296
     return h / 4294967296
 
-# %% ../nbs/06_golden.ipynb #b31e9403
+# %% ../nbs/06_golden.ipynb #911b19b3
 def _segment(pieces:list, key:int) -> Segment:
     "One golden segment from its pieces; `key` seeds its numbers"
     ids, act, lp, ver = [], [], [], []
@@ -65,12 +65,13 @@ def _trajectories() -> list:
         out.append(Trajectory(f"{group}/r{n}", group, prompt_index=int(group[1:]), segments=segs, reward=reward))
     return out
 
-# %% ../nbs/06_golden.ipynb #e79dc0fc
+# %% ../nbs/06_golden.ipynb #46100608
 @dataclass(eq=False)
 class Golden:
     "The golden batch and what a trainer computes on it; per-token fields are (B, T-1) on the next-token axis"
     batch:Batch # 14 rows from 12 rollouts in 3 groups
     logp:Tensor # (B, T-1) the trainer's logprobs of token t+1 (`old` logprobs at version `version`)
+    logp_new:Tensor # (B, T-1) logprobs of the policy being trained, a few optimizer steps after `logp`
     logp_ref:Tensor # (B, T-1) a reference model's logprobs
     logp_teacher:Tensor # (B, T-1) a teacher's logprobs (on-policy distillation)
     values:Tensor # (B, T-1) a critic's value of the state before token t+1
@@ -87,12 +88,12 @@ def golden() -> Golden:
     shape, act = batch.logprobs.shape, batch.action_mask
     logp = torch.where(act, batch.logprobs + _field(shape, 7, -0.05, 0.05), 0.)
     logp[1, 2], logp[7, 3] = logp[1, 2] + 1.2, logp[7, 3] - 1.5  # outliers, both on action tokens
-    return Golden(batch, logp,
+    return Golden(batch, logp, logp_new=torch.where(act, logp + _field(shape, 11, -0.4, 0.4), 0.),
                   logp_ref=torch.where(act, batch.logprobs + _field(shape, 8, -0.3, 0.1), 0.),
                   logp_teacher=torch.where(act, batch.logprobs + _field(shape, 9, -0.5, 0.5), 0.),
                   values=_field(shape, 10, 0., 1.))
 
-# %% ../nbs/06_golden.ipynb #bfc87e69
+# %% ../nbs/06_golden.ipynb #9838164e
 def _encode(v) -> dict:
     t = torch.as_tensor(v).detach().cpu()
     values = t.flatten().tolist() if t.dtype == torch.bool else [float(f"{x:.7g}") for x in t.double().flatten().tolist()]
@@ -109,7 +110,7 @@ def _where(shape:tuple, batch:Batch|None) -> tuple:
         return ['row', 'rollout'], lambda i: (i, batch.rollout_ids[i])
     return ['index'], lambda i: (tuple(int(j) for j in torch.unravel_index(torch.tensor(i), shape)) if len(shape) > 1 else i,)
 
-# %% ../nbs/06_golden.ipynb #43d00079
+# %% ../nbs/06_golden.ipynb #490bc13c
 def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) -> str|None:
     "A readable account of how `now` differs from `stored`, or None if it does not"
     if tuple(stored.shape) != tuple(now.shape): return f"{name}: shape changed from {tuple(stored.shape)} to {tuple(now.shape)}"
@@ -124,7 +125,7 @@ def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) ->
     head = f"{name}: {len(idx)} of {len(a)} values changed (largest change {(a[idx] - b[idx]).abs().max().item():.4g})"
     return head + '\n' + '\n'.join('  ' + l for l in table.splitlines()) + more
 
-# %% ../nbs/06_golden.ipynb #df890449
+# %% ../nbs/06_golden.ipynb #ff0e9f13
 class GoldenDiff:
     "How outputs differ from the stored golden outputs; falsy when nothing changed"
     def __init__(self, name:str, changes:dict): self.name, self.changes = name, changes
@@ -140,7 +141,7 @@ def golden_dir() -> Path:
 
 def _file(name:str) -> Path: return golden_dir()/f"{name.replace('/', '__')}.json"
 
-# %% ../nbs/06_golden.ipynb #bd811d80
+# %% ../nbs/06_golden.ipynb #26cd8b1c
 def golden_diff(name:str, # the outputs' name, e.g. 'grpo' or 'ppo'
                 outputs:dict, # output name -> tensor or number; a lone tensor counts as {'out': tensor}
                 stored:dict|None=None, # compare with these outputs instead of the stored ones
@@ -159,7 +160,7 @@ def golden_diff(name:str, # the outputs' name, e.g. 'grpo' or 'ppo'
         changes[k] = _compare(k, stored[k], torch.as_tensor(v).detach().cpu(), batch, show) if k in stored else f"{k}: new output, not in the stored reference"
     return GoldenDiff(name, changes)
 
-# %% ../nbs/06_golden.ipynb #0f0d82ce
+# %% ../nbs/06_golden.ipynb #6bd7f3df
 GOLDEN_CASES = {} # name -> function(Golden) -> dict of outputs
 GOLDEN_MODULES = ('molt_nb.estimators', 'molt_nb.losses') # modules whose import registers the built-in cases
 
@@ -178,7 +179,7 @@ def check_golden(name:str, show:int=8) -> GoldenDiff:
     "Run the golden case `name` as registered now and diff it with its stored outputs"
     return golden_diff(name, _case(name)(golden()), show=show)
 
-# %% ../nbs/06_golden.ipynb #fd1f9b6e
+# %% ../nbs/06_golden.ipynb #e5a0e067
 def record_golden(name:str, outputs:dict):
     "Store `outputs` as the golden outputs of `name`, atomically (write, then rename)"
     golden_dir().mkdir(exist_ok=True)
