@@ -7,7 +7,7 @@ __all__ = ['GOLDEN_VERSION', 'GOLDEN_CASES', 'GOLDEN_MODULES', 'Golden', 'golden
            'golden_case', 'check_golden', 'record_golden', 'update_golden']
 
 # %% ../nbs/06_golden.ipynb #d6f5bbb7
-import importlib, json, os, tempfile
+import importlib, importlib.util, json, os, tempfile
 from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
@@ -190,7 +190,8 @@ def record_golden(name:str, outputs:dict):
 
 def update_golden(names:list|None=None) -> list:
     "Record the outputs of the golden cases `names` (all registered and built-in ones by default)"
-    for m in GOLDEN_MODULES: importlib.import_module(m)
+    for m in GOLDEN_MODULES:
+        if importlib.util.find_spec(m): importlib.import_module(m)
     names = sorted(GOLDEN_CASES) if names is None else names
     for n in names: record_golden(n, _case(n)(golden()))
     return names
