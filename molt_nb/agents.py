@@ -68,12 +68,13 @@ class StepEnvRunner:
                  max_context:int=2048, # most tokens in one segment (prompt, turns and observations)
                  observation_role:str='user', # role of the environment's answer: 'user' or 'tool'
                  tools:list|None=None, # tool schemas rendered by the chat template
+                 template:bool=True, # False: completion style, the prompt and observations are raw text (no chat template)
                 ):
         if max_turns < 1: raise ValueError(f"StepEnvRunner.max_turns is {max_turns}: allow at least one model turn")
         if max_context < 2: raise ValueError(f"StepEnvRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token")
         if observation_role not in ('user', 'tool'): raise ValueError(f"StepEnvRunner.observation_role is {observation_role!r}, expected 'user' or 'tool'")
         self.env_factory, self.tokenizer, self.max_turns, self.max_context = env_factory, tokenizer, max_turns, max_context
-        self.observation_role, self.tools = observation_role, tools
+        self.observation_role, self.tools, self.template = observation_role, tools, template
 
 # %% ../nbs/05_agents.ipynb #21cde71c
 def absorb(seg:Segment, gen) -> Segment:
@@ -92,9 +93,10 @@ class RolloutAborted(RuntimeError):
 @patch
 def _opening(self:StepEnvRunner, opening) -> tuple:
     "The first messages of an episode and their prompt segment"
+    if not self.template and not isinstance(opening, str): raise ValueError(f"Env.reset returned a {type(opening).__name__}; a completion-style runner (template=False) needs the prompt as a string")
     messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
     if not messages: raise ValueError("Env.reset returned no messages: return the opening chat messages (or a prompt string)")
-    ids = encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools))
+    ids = encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools) if self.template else opening)
     if len(ids) >= self.max_context: raise ValueError(f"the prompt has {len(ids)} tokens, not below StepEnvRunner.max_context={self.max_context}: raise max_context or shorten the task")
     return messages, Segment.prompt(ids)
 
@@ -129,7 +131,7 @@ async def run(self:StepEnvRunner, engine, # an `Engine` (or a router over engine
 @patch
 def _continue(self:StepEnvRunner, messages:list, text:str, sampled:str, new:list, seg:Segment, sealed:list) -> tuple:
     "Conversation and segments after an observation (glue appended, or a new segment if history was rewritten); None if out of room"
-    glue = turn_glue(self.tokenizer, messages, text, sampled, new, self.tools)
+    glue = turn_glue(self.tokenizer, messages, text, sampled, new, self.tools) if self.template else new[0]['content']
     messages = messages + [dict(role='assistant', content=text)] + new
     if glue is not None: nxt, sealed = seg.extend(encode(self.tokenizer, glue)), sealed
     else: nxt, sealed = Segment.prompt(encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools))), sealed + [seg]
