@@ -112,7 +112,7 @@ class TorchEngine:
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
         self.vocab_size, self.version, self.max_batch, self.threads = model.config.vocab_size, version, max_batch, threads
         self.max_model_len = max_model_len or model.config.max_position_embeddings
-        self.stats = dict(steps=0, tokens=0, prefills=0, requests=0)
+        self.stats = dict(steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0) # busy_s: seconds spent computing (idle = wall - busy)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
         self._fast = Qwen3Decoder(model, self.max_model_len) if qwen3_decodable(model) else None
         self._route_shape, self._captured = route_shape(model), {}
@@ -236,12 +236,14 @@ def _loop(self:TorchEngine):
         while (commands := self._next_work()) is not None:
             for command in commands: command()
             admit = self._take_pending()
+            start = time.perf_counter()
             try:
                 if admit: self._admit(admit)
                 if self._reqs and not self._paused: self._decode()
             except Exception as e: # costs the requests in this batch, never the engine
                 for r in self._reqs + admit: r.resolve(error=e)
                 self._reqs, self._rows, self._cache = [], None, None
+            self.stats["busy_s"] += time.perf_counter() - start
         self._abort()
 
 # %% ../nbs/02_engine.ipynb #ef671fba

@@ -100,13 +100,14 @@ class Estimator:
     fn:Callable # fn(x: AdvantageInput) -> (B, T) advantages
     whiten:bool=False # normalise over the batch's action tokens by default
     needs:tuple=() # AdvantageInput fields that must not be None
+    grouped:bool=False # the baseline compares rollouts of one group: a run needs n_samples >= 2 per prompt
 
 ESTIMATORS = {} # name -> Estimator
 
-def estimator(name:str, whiten:bool=False, needs:tuple=()):
+def estimator(name:str, whiten:bool=False, needs:tuple=(), grouped:bool=False):
     "Register `fn(x: AdvantageInput) -> (B, T) advantages` as the estimator `name` (re-registering replaces it)"
     def register(fn):
-        ESTIMATORS[name] = Estimator(fn, whiten, tuple(needs))
+        ESTIMATORS[name] = Estimator(fn, whiten, tuple(needs), grouped)
         return fn
     return register
 
@@ -142,7 +143,7 @@ def compute_advantages(x:AdvantageInput, # the batch as estimators see it
     return whitened(adv, x.action_mask) if (est.whiten if whiten is None else whiten) else adv
 
 # %% ../nbs/07_estimators.ipynb #0d6a6f5d
-@estimator('grpo')
+@estimator('grpo', grouped=True)
 def grpo(x:AdvantageInput) -> Tensor:
     "Group-normalised reward: (R - group mean) / (group std + eps)"
     R = rollout_rewards(x)
@@ -150,19 +151,19 @@ def grpo(x:AdvantageInput) -> Tensor:
     return to_tokens(x, (R - mean) / (std + x.eps))
 
 # %% ../nbs/07_estimators.ipynb #e233703e
-@estimator('dr_grpo')
+@estimator('dr_grpo', grouped=True)
 def dr_grpo(x:AdvantageInput) -> Tensor:
     "Mean-centred reward, no std division: R - group mean"
     R = rollout_rewards(x)
     return to_tokens(x, R - group_stats(R, x.group_index)[1])
 
-@estimator('reinforce_baseline', whiten=True)
+@estimator('reinforce_baseline', whiten=True, grouped=True)
 def reinforce_baseline(x:AdvantageInput) -> Tensor:
     "REINFORCE with the group mean as baseline (whitened by default)"
     return dr_grpo(x)
 
 # %% ../nbs/07_estimators.ipynb #5280b367
-@estimator('rloo')
+@estimator('rloo', grouped=True)
 def rloo(x:AdvantageInput) -> Tensor:
     "Leave-one-out baseline: R_i minus the mean reward of the other rollouts of its group"
     R = rollout_rewards(x)
