@@ -34,7 +34,7 @@ class Engine(Protocol):
     "A rollout engine: `TorchEngine` here, `VLLMEngine` on GPUs."
     version: int
     async def generate(self, token_ids, sampling:SamplingParams, session_id:str|None=None) -> Generation: ...
-    async def pause(self, keep:bool=True): ...
+    async def pause(self, keep:bool=True, drain:bool=False): ...
     async def resume(self): ...
     async def load_weights(self, named_tensors, version:int): ...
 
@@ -119,7 +119,7 @@ class TorchEngine:
         for i, gate in moe_gates(model).items():
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
-        self._reqs, self._rows, self._cache, self._paused, self._closed = [], None, None, False, False
+        self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
         self._thread.start()
 
@@ -169,12 +169,27 @@ async def _command(self:TorchEngine, fn):
     return await fut
 
 @patch
-async def pause(self:TorchEngine, keep:bool=True):
-    "Stop decoding; `keep` holds in-flight requests for `resume`, else they finish now with reason 'abort'."
+async def pause(self:TorchEngine, keep:bool=True, drain:bool=False):
+    "Stop decoding: `drain` first lets running requests finish (admitting none), else `keep` holds them for `resume` or they end now ('abort')."
+    if drain:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        await self._command(lambda: self._drains.append((loop, done)))
+        return await done
     def do():
         self._paused = True
         if not keep: self._abort()
     await self._command(do)
+
+@patch
+def _drained(self:TorchEngine):
+    "Once a drain finds no running request: pause and tell the callers"
+    if not self._drains or self._reqs: return
+    self._paused = True
+    for loop, done in self._drains:
+        try: loop.call_soon_threadsafe(lambda d=done: d.done() or d.set_result(None))
+        except RuntimeError: pass
+    self._drains = []
 
 @patch
 async def resume(self:TorchEngine):
@@ -224,7 +239,7 @@ def _take_pending(self:TorchEngine):
         seen = -1
         while seen != len(self._pending): seen = len(self._pending); time.sleep(0.0005)
     with self._cv:
-        if self._paused: return []
+        if self._paused or self._drains: return []
         n = self.max_batch - len(self._reqs)
         admit, self._pending = self._pending[:n], self._pending[n:]
         return admit
@@ -244,6 +259,7 @@ def _loop(self:TorchEngine):
                 for r in self._reqs + admit: r.resolve(error=e)
                 self._reqs, self._rows, self._cache = [], None, None
             self.stats["busy_s"] += time.perf_counter() - start
+            self._drained()
         self._abort()
 
 # %% ../nbs/02_engine.ipynb #ef671fba

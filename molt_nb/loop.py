@@ -65,7 +65,7 @@ class Trainer:
         start = time.perf_counter()
         res = self.actor.train_step(batch)
         self.busy_s += time.perf_counter() - start
-        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start)
+        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights())
 
     def weights(self) -> list: return self.actor.weights()
     def save(self, root:str, extra:dict) -> str: return str(self.actor.save(root, extra))
@@ -120,7 +120,7 @@ class Orchestrator:
         fn = getattr(self.trainer, name)
         return await fn.remote(*args) if hasattr(fn, 'remote') else await asyncio.to_thread(fn, *args)
 
-    async def progress(self) -> dict: return dict(step=self.step, steps=self.cfg.loop.steps, **self.latest)
+    async def progress(self) -> dict: return self.latest | dict(step=self.step, steps=self.cfg.loop.steps)
 
 # %% ../nbs/13_loop.ipynb #067d2f8a
 async def evaluate(runner, engine, tasks:list, sampling:SamplingParams) -> float:
@@ -148,51 +148,53 @@ async def _start(self:Orchestrator) -> dict:
 
 # %% ../nbs/13_loop.ipynb #01a200d7
 @patch
-async def _step(self:Orchestrator, pool:Pool) -> dict:
-    "Collect, train, sync; the step's metrics"
-    cfg, t0, busy0 = self.cfg, time.perf_counter(), self.engine.stats['busy_s']
-    version = self.sync.version
+async def _collect(self:Orchestrator, pool:Pool, version:int) -> dict:
+    "The next batch for a trainer at policy `version`, with its trajectories and how long the wait was"
+    cfg, start = self.cfg, time.perf_counter()
     groups = await pool.collect(cfg.rollout.groups_per_step, None if cfg.loop.mode == 'sync' else version - cfg.loop.max_staleness)
     trajectories = [t for g in groups for t in g.trajectories]
     batch = collate(trajectories, self.engine.vocab_size)
     checked = check_token_identity(trajectories, {t.rollout_id: self.record.pop(t.rollout_id, None) for t in trajectories}, batch) if self.record is not None else 0
-    t1 = time.perf_counter()
-    out = await self._call('train_step', batch)
-    t2 = time.perf_counter()
-    buckets = await self._call('weights')
-    await self.engine.pause(keep=cfg.loop.mode != 'async')
-    report = await self.sync.push(buckets, out['version'])
-    await self.engine.resume()
-    t3 = time.perf_counter()
-    self.step += 1
-    self.store.write_samples(self.step, self._samples(trajectories))
-    return self._metrics(trajectories, batch, version, out, pool, (t0, t1, t2, t3), self.engine.stats['busy_s'] - busy0, report) | dict(identity_checked=checked)
+    return dict(trajectories=trajectories, batch=batch, version=version, checked=checked, wait=time.perf_counter() - start)
+
+@patch
+def _train(self:Orchestrator, work:dict) -> asyncio.Task:
+    "Start the trainer on `work['batch']`; a task resolving to its output (metrics, new version, weights)"
+    return asyncio.ensure_future(self._call('train_step', work['batch']))
+
+@patch
+async def _sync(self:Orchestrator, out:dict):
+    "Load the trainer's new weights into the engine; the sync report"
+    mode = self.cfg.loop.mode
+    await self.engine.pause(keep=True, drain=mode == 'async')
+    try: return await self.sync.push(out['weights'], out['version'])
+    finally: await self.engine.resume()
 
 # %% ../nbs/13_loop.ipynb #84ebcb14
 @patch
-def _samples(self:Orchestrator, trajectories:list) -> pd.DataFrame:
+def _metrics(self:Orchestrator, work:dict, out:dict, pool:Pool, wall:float, busy_s:float, sync_s:float, report) -> dict:
+    trajectories, batch = work['trajectories'], work['batch']
+    rewards = torch.tensor([t.reward for t in trajectories])
+    lengths = torch.tensor([sum(int(s.num_actions) for s in t.segments) for t in trajectories], dtype=torch.float32)
+    age = (work['version'] - batch.versions[batch.action_mask]).tolist()
+    return dict(step=self.step, version=self.sync.version, time=time.perf_counter() - self.started, reward=float(rewards.mean()),
+                **{'pass@1': float((rewards >= 1).float().mean())}, length_mean=float(lengths.mean()), length_max=float(lengths.max()),
+                **{f"train/{k}": v for k, v in out['metrics'].items()},
+                **{f"staleness/{k}": float(v) for k, v in sorted(collections.Counter(age).items())},
+                engine_idle=max(0., 1 - busy_s / wall), trainer_idle=max(0., 1 - out['seconds'] / wall),
+                time_collect=work['wait'], time_train=out['seconds'], time_sync=sync_s, sync_mb=report.nbytes / 2**20,
+                rollouts=float(len(trajectories)), samples_per_s=len(trajectories) / wall, identity_checked=work['checked'],
+                **{f"pool/{k}": float(v) for k, v in pool.counters.items()})
+
+@patch
+def _write_samples(self:Orchestrator, trajectories:list):
     "One row per trained rollout: ids, reward, the sampled text and each sampled token's version"
     acts = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]) for t in trajectories]
     vers = [torch.cat([s.versions[s.action_mask] for s in t.segments]) for t in trajectories]
-    return pd.DataFrame(dict(step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
-                             prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
-                             text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=[v.tolist() for v in vers]))
-
-@patch
-def _metrics(self:Orchestrator, trajectories, batch, version, out, pool, times, busy_s, report) -> dict:
-    t0, t1, t2, t3 = times
-    rewards = torch.tensor([t.reward for t in trajectories])
-    lengths = torch.tensor([sum(int(s.num_actions) for s in t.segments) for t in trajectories], dtype=torch.float32)
-    age = (version - batch.versions[batch.action_mask]).tolist()
-    hist = {f"staleness/{k}": float(v) for k, v in sorted(collections.Counter(age).items())}
-    wall = t3 - t0
-    return dict(step=self.step, version=self.sync.version, time=time.perf_counter() - self.started, reward=float(rewards.mean()),
-                **{'pass@1': float((rewards >= 1).float().mean())}, length_mean=float(lengths.mean()), length_max=float(lengths.max()),
-                **{f"train/{k}": v for k, v in out['metrics'].items()}, **hist,
-                engine_idle=max(0., 1 - busy_s / wall), trainer_idle=max(0., 1 - out['seconds'] / wall),
-                time_collect=t1 - t0, time_train=t2 - t1, time_sync=t3 - t2, sync_mb=report.nbytes / 2**20,
-                rollouts=float(len(trajectories)), samples_per_s=len(trajectories) / wall,
-                **{f"pool/{k}": float(v) for k, v in pool.counters.items()})
+    self.store.write_samples(self.step, pd.DataFrame(dict(
+        step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
+        prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
+        text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=[v.tolist() for v in vers])))
 
 # %% ../nbs/13_loop.ipynb #583efb57
 @patch
@@ -201,24 +203,47 @@ async def _checkpoint(self:Orchestrator, pool:Pool):
     self.store.flush()
 
 @patch
+def _more(self:Orchestrator) -> bool:
+    lp = self.cfg.loop
+    return self.step < lp.steps and (lp.seconds is None or time.perf_counter() - self.started < lp.seconds)
+
+@patch
+async def _evaluate(self:Orchestrator, row:dict) -> dict:
+    start = time.perf_counter()
+    row['eval'] = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling)
+    return row | dict(time_eval=time.perf_counter() - start)
+
+@patch
 async def run(self:Orchestrator) -> dict:
     "Run the loop to its end; the last metrics row"
-    cfg, lp = self.cfg, self.cfg.loop
+    cfg, lp, r = self.cfg, self.cfg.loop, self.cfg.rollout
     state = await self._start()
-    r = cfg.rollout
     pool = Pool(self.runner, self.engine, self.train_tasks, self.sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes,
                 streaming=lp.mode != 'sync', keep_range=None if r.keep_low is None else (r.keep_low, r.keep_high), record=self.record, **state)
     self.started = time.perf_counter()
-    row = dict(step=self.step, time=0.0, eval=await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling))
+    row = await self._evaluate(dict(step=self.step, time=0.0))
+    self._last_end, self._last_busy = time.perf_counter(), self.engine.stats['busy_s'] # where the first step's wall time starts
     if not self.store.rows or self.store.rows[-1]['step'] < self.step: self.store.log(row)
     try:
-        while self.step < lp.steps and (lp.seconds is None or time.perf_counter() - self.started < lp.seconds):
-            row = await self._step(pool)
-            last = self.step >= lp.steps or (lp.seconds is not None and time.perf_counter() - self.started >= lp.seconds)
-            if last or (lp.eval_every and self.step % lp.eval_every == 0):
-                row['eval'] = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling)
+        version = self.sync.version
+        work = await self._collect(pool, version) if self._more() else None
+        task = self._train(work) if work else None
+        while task is not None:
+            out = await task
+            self.step, version, task = self.step + 1, out['version'], None
+            more, checkpoint = self._more(), cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0
+            if more and lp.mode != 'sync' and not checkpoint: nxt = await self._collect(pool, version); task = self._train(nxt)
+            start = time.perf_counter()
+            report = await self._sync(out)
+            end = time.perf_counter()
+            row = self._metrics(work, out, pool, end - self._last_end, self.engine.stats['busy_s'] - self._last_busy, end - start, report)
+            self._last_end, self._last_busy = end, self.engine.stats['busy_s']
+            self._write_samples(work['trajectories'])
+            if not more or (lp.eval_every and self.step % lp.eval_every == 0): row = await self._evaluate(row)
             self.store.log(row); self.latest = row
-            if last or (cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0): await self._checkpoint(pool)
+            if not more or checkpoint: await self._checkpoint(pool)
+            if more and task is None: nxt = await self._collect(pool, version); task = self._train(nxt)
+            work = nxt if more else None
     finally:
         await pool.close()
         self.store.flush()
@@ -235,7 +260,8 @@ def start_ray(address:str='local', # 'local' starts a private Ray on this machin
     import ray
     if ray.is_initialized(): return
     env = {k: os.environ[k] for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS') if k in os.environ}
-    kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
+    kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1', # loopback only
+              _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
     ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', **kw)
 
 class Run:
