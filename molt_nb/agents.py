@@ -113,15 +113,16 @@ async def run(self:StepEnvRunner, engine, # an `Engine` (or a router over engine
     for index in range(self.max_turns):
         room = self.max_context - len(seg)
         if room < 1: truncated = True; break
-        gen = await engine.generate(seg.token_ids, sampling.replace(max_tokens=min(sampling.max_tokens, room)))
+        gen = await engine.generate(seg.token_ids, sampling if sampling.max_tokens <= room else sampling.replace(max_tokens=room))
         if gen.finish_reason == 'abort': raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
         seg = absorb(seg, gen)
-        text, sampled = (self.tokenizer.decode(gen.token_ids, skip_special_tokens=s) for s in (True, False))
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         result = await env.step(Turn(text, gen.token_ids, gen.finish_reason, index, messages + [dict(role='assistant', content=text)], task))
         reward, score, info = reward + result.reward, result.score, {**info, **result.info}
         if result.terminated or result.truncated: truncated = result.truncated; break
         if index == self.max_turns - 1: truncated = True; break
         new = [dict(role=self.observation_role, content=result.observation)]
+        sampled = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False) if self.template else text
         if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None: truncated = True; break
         messages, seg, sealed = nxt
         sampling = result.sampling or sampling

@@ -141,6 +141,11 @@ def _check_token_ids(ids:Tensor, vocab_size:int|None, where:str):
 
 def _check_values(s:Segment):
     "Raise if `s` has bad ids, logprobs on non-action tokens, or action tokens without a finite logprob or a version"
+    act, lp, ids = s.action_mask, s.logprobs, s.token_ids
+    # one fused test on the fast path (segments are built for every turn of every rollout); the messages below only on failure
+    bad = (ids < 0) | (act & ~lp.isfinite()) | (act & (s.versions < 0)) | (~act & (lp != 0))
+    if s.vocab_size is not None: bad |= ids >= s.vocab_size
+    if not bool(bad.any()) and (s.routes is None or not bool((s.routes < -1).any())): return
     _check_token_ids(s.token_ids, s.vocab_size, 'Segment.token_ids')
     act, lp = s.action_mask, s.logprobs
     if (bad := ~act & (lp != 0)).any(): raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at position {_first(bad)}, a non-action token ({int(bad.sum())} such tokens): behaviour logprobs belong to action tokens; use 0.0 elsewhere or mark the token in action_mask")
@@ -172,8 +177,18 @@ def prompt(cls:Segment, token_ids, # (T,) prompt ids
           ) -> Segment:
     "A segment of prompt tokens only (nothing sampled yet)"
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
-    return cls(ids, torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids, dtype=torch.float32),
-               torch.full_like(ids, -1, dtype=torch.int32), vocab_size=vocab_size)
+    fields = (ids, torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids, dtype=torch.float32), torch.full_like(ids, -1, dtype=torch.int32))
+    if ids.ndim != 1 or not len(ids) or bool(_bad_ids(ids, vocab_size).any()): return cls(*fields, vocab_size=vocab_size) # raises, saying what is wrong
+    return _trusted(*fields, None, None, vocab_size)
+
+def _bad_ids(ids:Tensor, vocab_size:int|None) -> Tensor:
+    return (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
+
+def _trusted(token_ids, action_mask, logprobs, versions, routes, images, vocab_size) -> Segment:
+    "A Segment from fields already known to be valid, without checking them again (segments are built for every turn)"
+    s = object.__new__(Segment)
+    s.token_ids, s.action_mask, s.logprobs, s.versions, s.routes, s.images, s.vocab_size = token_ids, action_mask, logprobs, versions, routes, images, vocab_size
+    return s
 
 def _appended(value, n:int, dtype, fill, name:str, device) -> Tensor:
     "`value` for `n` appended tokens: `fill` when None, a scalar repeated, or one entry per token"
@@ -205,10 +220,14 @@ def extend(self:Segment, token_ids, # (n,) ids to append
     dev = self.token_ids.device
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=dev).reshape(-1)
     n, sampled = len(ids), logprobs is not None
-    return Segment(torch.cat([self.token_ids, ids]), torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
-                   torch.cat([self.logprobs, _appended(logprobs, n, torch.float32, 0., 'logprobs', dev)]),
-                   torch.cat([self.versions, _appended(versions, n, torch.int32, -1, 'versions', dev)]),
-                   _joined_routes(self.routes, routes, len(self), n, dev), self.images, self.vocab_size)
+    lp, vs = _appended(logprobs, n, torch.float32, 0., 'logprobs', dev), _appended(versions, n, torch.int32, -1, 'versions', dev)
+    new_routes = None if routes is None else torch.as_tensor(routes, dtype=torch.int16, device=dev)
+    fields = (torch.cat([self.token_ids, ids]), torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
+              torch.cat([self.logprobs, lp]), torch.cat([self.versions, vs]), _joined_routes(self.routes, new_routes, len(self), n, dev), self.images, self.vocab_size)
+    # `self` was checked when it was built: only the appended tokens need checking (the constructor explains a failure)
+    bad = _bad_ids(ids, self.vocab_size) | ((~lp.isfinite() | (vs < 0)) if sampled else (lp != 0))
+    if bool(bad.any()) or (new_routes is not None and bool((new_routes < -1).any())): return Segment(*fields)
+    return _trusted(*fields)
 
 # %% ../nbs/00_core.ipynb #2714f403
 def _number(value, name:str) -> float:

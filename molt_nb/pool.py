@@ -76,6 +76,11 @@ class Recorder:
     def __getattr__(self, name): return getattr(self.engine, name)
 
 # %% ../nbs/12_pool.ipynb #8c185d91
+async def _within(coro, seconds:float):
+    "`await coro`, cancelled after `seconds` with TimeoutError (asyncio.timeout where it exists: no extra task per rollout)"
+    if not hasattr(asyncio, 'timeout'): return await asyncio.wait_for(coro, seconds) # Python 3.10
+    async with asyncio.timeout(seconds): return await coro
+
 def _reason(e:BaseException) -> str:
     return 'timeout' if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else f"error:{type(e).__name__}"
 
@@ -86,7 +91,7 @@ async def _rollout(self:Pool, index:int, j:int, task:dict) -> Trajectory|str:
     for attempt in range(self.max_restarts + 1):
         engine = self.engine if self.record is None else Recorder(self.engine)
         try:
-            trajectory = await asyncio.wait_for(self.runner.run(engine, task, self.sampling, rid, gid, index), self.timeout_s)
+            trajectory = await _within(self.runner.run(engine, task, self.sampling, rid, gid, index), self.timeout_s)
             if self.record is not None: self.record[rid] = engine.generations
             return trajectory
         except RolloutAborted: self.counters['restarted'] += 1
