@@ -81,17 +81,21 @@ def rollout_rewards(x:AdvantageInput) -> Tensor:
 def group_stats(values:Tensor, # (N,) one value per rollout
                 group_index:Tensor, # (N,) group of each rollout
                ) -> tuple:
-    "Each rollout's group size, mean and unbiased std (std 0 for a group of one), all (N,)"
+    "Each rollout's group size, mean and unbiased std (std 0 for a group of one or of equal values), all (N,) in `values`' dtype"
+    v = values.double()
     G = int(group_index.max()) + 1 if len(group_index) else 0
-    n = torch.zeros(G, dtype=values.dtype, device=values.device).index_add_(0, group_index, torch.ones_like(values))
-    mean = torch.zeros_like(n).index_add_(0, group_index, values) / n
-    sq = torch.zeros_like(n).index_add_(0, group_index, (values - mean[group_index]) ** 2)
-    std = (sq / (n - 1).clamp(min=1)).sqrt()
-    return n[group_index], mean[group_index], std[group_index]
+    n = v.new_zeros(G).index_add_(0, group_index, torch.ones_like(v))
+    mean = v.new_zeros(G).index_add_(0, group_index, v) / n
+    hi = v.new_zeros(G).scatter_reduce_(0, group_index, v, 'amax', include_self=False)
+    flat = hi == v.new_zeros(G).scatter_reduce_(0, group_index, v, 'amin', include_self=False)
+    mean = torch.where(flat, hi, mean)  # all equal: the exact value, so deviations are exactly 0
+    sq = v.new_zeros(G).index_add_(0, group_index, (v - mean[group_index]) ** 2)
+    std = torch.where(flat, 0., (sq / (n - 1).clamp(min=1)).sqrt())
+    return tuple(t[group_index].to(values.dtype) for t in (n, mean, std))
 
 def to_tokens(x:AdvantageInput, per_rollout:Tensor) -> Tensor:
-    "(B, T) `per_rollout` (N,) copied onto every action token of every row of each rollout"
-    return torch.where(x.action_mask, per_rollout[x.rollout_index][:, None], 0.)
+    "(B, T) `per_rollout` (N,) copied onto every action token of every row of each rollout, in the rewards' dtype"
+    return torch.where(x.action_mask, per_rollout[x.rollout_index][:, None], 0.).to(x.rewards.dtype)
 
 # %% ../nbs/07_estimators.ipynb #3b2749d0
 @dataclass(frozen=True)
@@ -123,9 +127,12 @@ def whitened(adv:Tensor, # (B, T) advantages
     "(B, T) `adv` normalised over the masked tokens, zero elsewhere"
     n = mask.sum()
     if n == 0: return torch.zeros_like(adv)
-    mean = torch.where(mask, adv, 0.).sum() / n
-    std = (torch.where(mask, adv - mean, 0.) ** 2).sum().div(n).sqrt().clamp(min=1e-8)
-    return torch.where(mask, (adv - mean) / std, 0.)
+    a = adv.double()
+    mean = torch.where(mask, a, 0.).sum() / n
+    centred = torch.where(mask, a - mean, 0.)
+    std = (centred ** 2).sum().div(n).sqrt()
+    out = centred if std < 1e-6 * (1 + mean.abs()) else centred / std
+    return out.to(adv.dtype)
 
 def compute_advantages(x:AdvantageInput, # the batch as estimators see it
                        estimator:str|Callable='grpo', # a registered name, or a function fn(x) -> (B, T)
@@ -146,7 +153,7 @@ def compute_advantages(x:AdvantageInput, # the batch as estimators see it
 @estimator('grpo', grouped=True)
 def grpo(x:AdvantageInput) -> Tensor:
     "Group-normalised reward: (R - group mean) / (group std + eps)"
-    R = rollout_rewards(x)
+    R = rollout_rewards(x).double()
     n, mean, std = group_stats(R, x.group_index)
     return to_tokens(x, (R - mean) / (std + x.eps))
 
@@ -154,7 +161,7 @@ def grpo(x:AdvantageInput) -> Tensor:
 @estimator('dr_grpo', grouped=True)
 def dr_grpo(x:AdvantageInput) -> Tensor:
     "Mean-centred reward, no std division: R - group mean"
-    R = rollout_rewards(x)
+    R = rollout_rewards(x).double()
     return to_tokens(x, R - group_stats(R, x.group_index)[1])
 
 @estimator('reinforce_baseline', whiten=True, grouped=True)
@@ -166,7 +173,7 @@ def reinforce_baseline(x:AdvantageInput) -> Tensor:
 @estimator('rloo', grouped=True)
 def rloo(x:AdvantageInput) -> Tensor:
     "Leave-one-out baseline: R_i minus the mean reward of the other rollouts of its group"
-    R = rollout_rewards(x)
+    R = rollout_rewards(x).double()
     n, mean, _ = group_stats(R, x.group_index)
     return to_tokens(x, torch.where(n > 1, R - (n * mean - R) / (n - 1).clamp(min=1), R))
 
@@ -186,7 +193,8 @@ def discounted(r:Tensor, # (B, T) per-token rewards
 
 def token_rewards(x:AdvantageInput) -> Tensor:
     "(B, T) -kl_coef * kl on action tokens, plus the reward on each row's last action token"
-    kl = torch.zeros_like(x.rewards)[:, None] if x.kl is None or x.kl_coef == 0 else x.kl
+    if x.kl_coef > 0 and x.kl is None: raise ValueError(f"AdvantageInput.kl_coef is {x.kl_coef} but AdvantageInput.kl is None, so the KL penalty would be dropped: pass kl=... (per-token KL against the reference, e.g. logp - logp_ref) to advantage_input, or set kl_coef=0")
+    kl = torch.zeros_like(x.rewards)[:, None] if x.kl_coef == 0 else x.kl
     last = x.action_mask & (x.action_mask.cumsum(1) == x.action_mask.sum(1, keepdim=True))
     return torch.where(x.action_mask, -x.kl_coef * kl + torch.where(last, x.rewards[:, None], 0.), 0.)
 
@@ -235,6 +243,9 @@ for _name in BUILTIN_ESTIMATORS:
 
 @golden_case('adv/reinforce_gamma')
 def _reinforce_gamma(g): return dict(advantages=compute_advantages(replace(golden_input(g), gamma=0.9), 'reinforce'))
+
+@golden_case('adv/on_policy_distill_half')
+def _distill_half(g): return dict(advantages=compute_advantages(replace(golden_input(g), distill_coef=0.5), 'on_policy_distill'))
 
 @golden_case('adv/gae_returns')
 def _gae_returns(g): return dict(returns=gae_returns(golden_input(g)))

@@ -100,7 +100,8 @@ def _encode(v) -> dict:
     return dict(shape=list(t.shape), dtype=str(t.dtype).removeprefix('torch.'), values=values)
 
 def _decode(d:dict) -> Tensor:
-    return torch.tensor(d['values'], dtype=torch.bool if d['dtype'] == 'bool' else torch.float64).reshape(d['shape'])
+    if d['dtype'] == 'bool': return torch.tensor(d['values'], dtype=torch.bool).reshape(d['shape'])
+    return torch.tensor(d['values'], dtype=torch.float64).reshape(d['shape']).to(getattr(torch, d['dtype']))
 
 def _where(shape:tuple, batch:Batch|None) -> tuple:
     "Column names and a function from a flat index to the row of the changes table"
@@ -114,8 +115,10 @@ def _where(shape:tuple, batch:Batch|None) -> tuple:
 def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) -> str|None:
     "A readable account of how `now` differs from `stored`, or None if it does not"
     if tuple(stored.shape) != tuple(now.shape): return f"{name}: shape changed from {tuple(stored.shape)} to {tuple(now.shape)}"
+    if stored.dtype != now.dtype: return f"{name}: dtype changed from {str(stored.dtype).removeprefix('torch.')} to {str(now.dtype).removeprefix('torch.')}"
     a, b = stored.flatten().double(), now.flatten().double()
-    same = torch.isclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    scale = a[a.isfinite()].abs().max().item() if a.isfinite().any() else 0.
+    same = torch.isclose(a, b, rtol=1e-5, atol=1e-7 * scale, equal_nan=True)
     if same.all(): return None
     idx = (~same).nonzero()[:, 0]
     cols, where = _where(tuple(now.shape), batch)

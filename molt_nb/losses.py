@@ -99,7 +99,9 @@ def _check_is_inputs(logp, logp_behaviour, mask, cfg, versions, version):
 def _staleness(mask:Tensor, versions:Tensor|None, version:int|None, max_staleness:int|None) -> tuple:
     "(B, T) int32 staleness on action tokens and the (B, T) bool stale tokens"
     if versions is None or version is None: s = torch.zeros(mask.shape, dtype=torch.int32, device=mask.device)
-    else: s = torch.where(mask, version - versions.to(torch.int32), 0).to(torch.int32)
+    else:
+        s = torch.where(mask, version - versions.to(torch.int32), 0).to(torch.int32)
+        if (s < 0).any(): raise ValueError(f"the trainer's version is {version} but action tokens were sampled by version {int(versions[mask].max())}: a token cannot be newer than the weights that train on it; pass the trainer's current policy version (>= every token's version)")
     return s, (mask & (s > max_staleness) if max_staleness is not None else torch.zeros_like(mask))
 
 def _gate_value(ell:Tensor, m:Tensor, level:str) -> Tensor:
@@ -353,6 +355,7 @@ golden_case('ppo')(lambda g: _loss_case(g, LossConfig()))
 golden_case('ppo/dual_clip')(lambda g: _loss_case(g, LossConfig(eps_low=0.2, eps_high=0.28, dual_clip=1.25)))
 golden_case('gspo')(lambda g: _loss_case(g, LossConfig('gspo')))
 golden_case('cispo')(lambda g: _loss_case(g, LossConfig('cispo', eps_low=1.0, eps_high=0.28)))
+golden_case('cispo/eps_low')(lambda g: _loss_case(g, LossConfig('cispo', eps_low=0.2, eps_high=0.28)))
 
 @golden_case('kl')
 def _kl_case(g) -> dict: return {k: kl_estimate(g.logp, g.logp_ref, k) for k in KL_ESTIMATORS}
@@ -365,6 +368,8 @@ def _is_case(g, cfg:ISConfig) -> dict:
 
 for _level, _mode in [('token', 'mask'), ('token', 'clip'), ('token', 'trunc'), ('seq', 'mask'), ('geo', 'mask')]:
     golden_case(f'is/{_level}-{_mode}')(lambda g, c=ISConfig(_level, _mode, 0.8, 1.25): _is_case(g, c))
+for _level in ('seq', 'geo'):
+    golden_case(f'is/{_level}-mask-wide')(lambda g, c=ISConfig(_level, 'mask', 0.5, 2.0): _is_case(g, c))
 golden_case('is/staleness')(lambda g: _is_case(g, ISConfig('token', 'mask', 0.8, 1.25, max_staleness=2)))
 
 @golden_case('aggregation')
