@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-## make run: the main job on the embedded default.
+## make run: the main job on the embedded default (RL on CPU that visibly learns; under 10 minutes).
 run: setup
-	$(BIN)/molt-nb sample
+	$(BIN)/molt-nb train recipes/arith
 
 ## make test: the whole suite, in order, stopping at the first failure; ends with pytest's summary line.
 test: setup check-clean check-export check-readme nbtest nbval pytest

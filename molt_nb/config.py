@@ -8,6 +8,7 @@ __all__ = ['LOOP_MODES', 'ModelConfig', 'WarmStartConfig', 'RolloutConfig', 'Tra
 
 # %% ../nbs/09_config.ipynb #1105c60e
 import dataclasses, tomllib
+import transformers
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from .actor import AlgoConfig, OptimConfig
@@ -72,6 +73,7 @@ class LoopConfig:
     eval_tasks:int|None=None # evaluate on the first n eval tasks (None: all)
     seed:int=0 # model init, data order and sampling
     debug:bool=False # check every trained token against what the engine returned
+    flush_every:int=50 # steps between writes of metrics and samples to the run store
 
 # %% ../nbs/09_config.ipynb #60637558
 LOOP_MODES = ('sync', 'async', 'partial')
@@ -129,7 +131,7 @@ def check(cfg:RunConfig) -> RunConfig:
     if r.keep_low is not None and not r.keep_low < r.keep_high: raise ValueError(f"rollout.keep_low={r.keep_low} must be below rollout.keep_high={r.keep_high}")
     if abs(cfg.algo.temperature - r.temperature) > 1e-9: raise ValueError(f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must score tokens at the temperature they were sampled at")
     if not r.temperature > 0: raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
-    if lp.steps < 1 or lp.max_staleness < 0 or lp.eval_every < 0: raise ValueError(f"loop.steps must be >= 1, loop.max_staleness and loop.eval_every >= 0; got {lp.steps}, {lp.max_staleness}, {lp.eval_every}")
+    if lp.steps < 1 or lp.max_staleness < 0 or lp.eval_every < 0 or lp.flush_every < 1: raise ValueError(f"loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got {lp.steps}, {lp.flush_every}, {lp.max_staleness}, {lp.eval_every}")
     if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0: raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir(): raise ValueError(f"model.path is {cfg.model.path!r}, which is not a directory: give a local checkpoint directory or leave it unset for the tiny model")
     return cfg
@@ -164,6 +166,7 @@ def load_config(recipe, # a recipe directory (holding recipe.toml), or the path 
 # %% ../nbs/09_config.ipynb #342d702c
 def build_policy(cfg:RunConfig) -> tuple:
     "(model, tokenizer) of the run's policy, fp32"
+    transformers.utils.logging.disable_progress_bar() # a loading bar per process is noise in a run's output
     if cfg.model.path is not None: return load_policy(cfg.model.path)
     tok = build_tokenizer()
     m = cfg.model

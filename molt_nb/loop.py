@@ -31,25 +31,37 @@ class RunStore:
     def __init__(self, root):
         self.root = Path(root)
         (self.root/'samples').mkdir(parents=True, exist_ok=True)
-        self.rows = self.metrics().to_dict('records') if (self.root/'metrics.parquet').exists() else []
+        self.rows, self.pending = (self.metrics().to_dict('records') if (self.root/'metrics.parquet').exists() else []), []
 
     @property
     def checkpoints(self) -> Path: return self.root/'checkpoints'
     def write_config(self, cfg:RunConfig): _write_atomic(self.root/'config.json', json.dumps(asdict(cfg), indent=1, default=str))
     def config(self) -> dict: return json.loads((self.root/'config.json').read_text())
     def log(self, row:dict): self.rows.append(row)
-    def flush(self): _write_parquet(pd.DataFrame(self.rows), self.root/'metrics.parquet')
     def metrics(self) -> pd.DataFrame: return pd.read_parquet(self.root/'metrics.parquet')
-    def write_samples(self, step:int, df:pd.DataFrame): _write_parquet(df, self.root/'samples'/f"step_{step:08d}.parquet")
+    def add_samples(self, df:pd.DataFrame): self.pending.append(df)
+
+    def flush(self):
+        "Write the metrics, and the samples gathered since the last flush as one file named by their last step"
+        _write_parquet(pd.DataFrame(self.rows), self.root/'metrics.parquet')
+        if self.pending:
+            df, self.pending = pd.concat(self.pending, ignore_index=True), []
+            _write_parquet(df, self.root/'samples'/f"until_{int(df.step.max()):08d}.parquet")
 
     def samples(self, step:int|None=None) -> pd.DataFrame:
         "The rollouts trained at `step` (default: every step)"
-        files = sorted((self.root/'samples').glob('step_*.parquet')) if step is None else [self.root/'samples'/f"step_{step:08d}.parquet"]
-        return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else pd.DataFrame()
+        files = sorted((self.root/'samples').glob('until_*.parquet'))
+        df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else pd.DataFrame(columns=['step'])
+        return df if step is None else df[df.step == step].reset_index(drop=True)
 
     def truncate(self, step:int):
-        "Forget metrics after `step` (a resumed run rewrites them)"
+        "Forget what was logged after `step` (a resumed run rewrites it)"
         self.rows = [r for r in self.rows if r['step'] <= step]
+        for f in (self.root/'samples').glob('until_*.parquet'):
+            if int(f.stem.split('_')[1]) > step:
+                df = pd.read_parquet(f)
+                if (df.step <= step).any(): _write_parquet(df[df.step <= step], f.with_name(f"until_{step:08d}.parquet"))
+                f.unlink()
 
 # %% ../nbs/13_loop.ipynb #e4797974
 class Trainer:
@@ -114,13 +126,16 @@ class Orchestrator:
         self.sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[self.tokenizer.eos_token_id])
         self.store = RunStore(cfg.run_dir)
         self.sync, self.step, self.latest, self.record = WeightSync([self.engine], version=-1), 0, {}, {} if cfg.loop.debug else None
+        self.last_eval = None
 
     async def _call(self, name:str, *args):
         "Call the trainer: through Ray when it is an actor handle, else in a worker thread"
         fn = getattr(self.trainer, name)
         return await fn.remote(*args) if hasattr(fn, 'remote') else await asyncio.to_thread(fn, *args)
 
-    async def progress(self) -> dict: return self.latest | dict(step=self.step, steps=self.cfg.loop.steps)
+    async def progress(self) -> dict:
+        "The last step's metrics, the step count, and the latest held-out evaluation"
+        return self.latest | dict(step=self.step, steps=self.cfg.loop.steps, last_eval=self.last_eval)
 
 # %% ../nbs/13_loop.ipynb #067d2f8a
 async def evaluate(runner, engine, tasks:list, sampling:SamplingParams) -> float:
@@ -191,7 +206,7 @@ def _write_samples(self:Orchestrator, trajectories:list):
     "One row per trained rollout: ids, reward, the sampled text and each sampled token's version"
     acts = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]) for t in trajectories]
     vers = [torch.cat([s.versions[s.action_mask] for s in t.segments]) for t in trajectories]
-    self.store.write_samples(self.step, pd.DataFrame(dict(
+    self.store.add_samples(pd.DataFrame(dict(
         step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
         prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
         text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=[v.tolist() for v in vers])))
@@ -210,7 +225,7 @@ def _more(self:Orchestrator) -> bool:
 @patch
 async def _evaluate(self:Orchestrator, row:dict) -> dict:
     start = time.perf_counter()
-    row['eval'] = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling)
+    row['eval'] = self.last_eval = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling)
     return row | dict(time_eval=time.perf_counter() - start)
 
 @patch
@@ -242,6 +257,7 @@ async def run(self:Orchestrator) -> dict:
             if not more or (lp.eval_every and self.step % lp.eval_every == 0): row = await self._evaluate(row)
             self.store.log(row); self.latest = row
             if not more or checkpoint: await self._checkpoint(pool)
+            elif self.step % lp.flush_every == 0: self.store.flush()
             if more and task is None: nxt = await self._collect(pool, version); task = self._train(nxt)
             work = nxt if more else None
     finally:
@@ -262,7 +278,8 @@ def start_ray(address:str='local', # 'local' starts a private Ray on this machin
     env = {k: os.environ[k] for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS') if k in os.environ}
     kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1', # loopback only
               _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
-    ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', **kw)
+    # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
+    ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
 
 class Run:
     "A run launched on Ray"

@@ -103,12 +103,11 @@ def rl(cfg:RunConfig, show:bool=True) -> pd.DataFrame:
     run = launch(cfg)
     seconds = cfg.loop.seconds
     bar = _bar(seconds if seconds else cfg.loop.steps, 's' if seconds else 'steps') if show else None
-    last_eval = [None]
     def on_progress(p):
         if bar is None or 'time' not in p: return
-        if p.get('eval') is not None and not math.isnan(p['eval']): last_eval[0] = p['eval']
         bar.n = min(p['time'], seconds) if seconds else p['step']
-        bar.set_postfix_str(f"step {p['step']} reward {p.get('reward', 0):.2f}" + (f" held-out {last_eval[0]:.2f}" if last_eval[0] is not None else ''), refresh=True)
+        held_out = f" held-out {p['last_eval']:.2f}" if p.get('last_eval') is not None else ''
+        bar.set_postfix_str(f"step {p['step']} reward {p.get('reward', 0):.2f}{held_out}", refresh=True)
     try: run.wait(on_progress)
     finally:
         if bar is not None: bar.close()
