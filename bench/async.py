@@ -22,7 +22,7 @@ from molt_nb.agents import load_agent, _module
 from molt_nb.actor import PolicyActor
 from molt_nb.weight_sync import from_buckets
 from molt_nb.loop import evaluate, launch
-from molt_nb.train import warm_start
+from molt_nb.train import warm_start, held_out
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,11 +80,16 @@ def main():
     p.add_argument('--seconds', type=float, default=90)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--append', default=None)
+    p.add_argument('--warm', default=None, help='reuse a warm-start checkpoint directory (skips the supervised warm start)')
     args = p.parse_args()
     run_root = Path(tempfile.mkdtemp(prefix='molt-bench-'))
     base = load_config(ROOT/'recipes'/'arith', [f'loop.seed={args.seed}', f'run_dir="{run_root/"warm"}"'])
     t = time.perf_counter()
-    path, warm_acc = warm_start(base)
+    if args.warm:
+        path = Path(args.warm)
+        model, tok = build_policy(with_(base, model=dict(path=str(path))))
+        warm_acc = held_out(model, base, tok)
+    else: path, warm_acc = warm_start(base)
     print(f"warm start: {time.perf_counter() - t:.0f} s, held-out accuracy {warm_acc:.3f}", flush=True)
     base = with_(base, model=dict(path=str(path)), loop=dict(seconds=args.seconds, steps=10**6, eval_every=0))
     arms = {
