@@ -41,7 +41,7 @@ async def single_process(cfg, seconds:float) -> dict:
     runner = load_agent(cfg.agent_path, tok, **cfg.agent_options)
     module = _module(cfg.agent_path)
     train, held = list(module.tasks('train')), list(module.tasks('eval'))[:cfg.loop.eval_tasks]
-    random.Random(cfg.loop.seed).shuffle(train)
+    random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(train)  # the data order molt-nb uses
     r = cfg.rollout
     sp = SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tok.eos_token_id])
     start_acc = await evaluate(runner, engine, held, sp)

@@ -122,7 +122,7 @@ class Orchestrator:
         tasks = getattr(_module(cfg.agent_path), 'tasks', None)
         if not callable(tasks): raise AttributeError(f"agent module {str(cfg.agent_path)!r} does not export tasks(split): add a function returning the 'train' and 'eval' task lists")
         self.train_tasks, self.eval_tasks = list(tasks('train')), list(tasks('eval'))[:cfg.loop.eval_tasks]
-        random.Random(cfg.loop.seed).shuffle(self.train_tasks)
+        random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(self.train_tasks) # a stream of its own (recipes may draw from Random(seed))
         self.sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[self.tokenizer.eos_token_id])
         self.store = RunStore(cfg.run_dir)
         self.sync, self.step, self.latest, self.record = WeightSync([self.engine], version=-1), 0, {}, {} if cfg.loop.debug else None

@@ -21,7 +21,9 @@ def tasks(split:str) -> list:
 def demos(n:int, seed:int=0) -> list:
     "n labelled training examples as (prompt, completion) text pairs; the completion ends with the end token"
     train = tasks('train')
-    return [(t['prompt'], t['answer'] + '<|im_end|>') for t in random.Random(seed).sample(train, n)]
+    # a random stream of its own: Random(seed).sample and Random(seed).shuffle draw the same numbers, so demos drawn
+    # that way would be exactly the last prompts of a run's data order (shuffled with the same seed)
+    return [(t['prompt'], t['answer'] + '<|im_end|>') for t in random.Random(f"arith-demos-{seed}").sample(train, n)]
 
 class Arith(Env):
     "One turn: reward 1 for exactly the sum followed by the end token, else 0"
