@@ -6,7 +6,7 @@
 __all__ = ['RunStore', 'Trainer', 'check_token_identity', 'Orchestrator', 'evaluate', 'start_ray', 'Run', 'launch']
 
 # %% ../nbs/13_loop.ipynb #fda851d0
-import asyncio, collections, json, math, os, random, tempfile, time, uuid
+import asyncio, collections, json, math, os, random, shutil, tempfile, time, uuid
 from dataclasses import asdict
 from pathlib import Path
 import pandas as pd
@@ -53,6 +53,12 @@ class RunStore:
         files = sorted((self.root/'samples').glob('until_*.parquet'))
         df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else pd.DataFrame(columns=['step'])
         return df if step is None else df[df.step == step].reset_index(drop=True)
+
+    def reset(self):
+        "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
+        self.rows, self.pending = [], []
+        for f in [self.root/'metrics.parquet', *(self.root/'samples').glob('until_*.parquet')]: f.unlink(missing_ok=True)
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
 
     def truncate(self, step:int):
         "Forget what was logged after `step` (a resumed run rewrites it)"
@@ -155,7 +161,7 @@ async def _start(self:Orchestrator) -> dict:
         self.store.truncate(self.step)
     else:
         if self.resume: raise FileNotFoundError(f"resume: no checkpoint under {str(self.store.checkpoints)!r}")
-        self.store.rows = []
+        self.store.reset()
         self.store.write_config(self.cfg)
     version = (await self._call('state'))['version']
     await self.sync.push(await self._call('weights'), version)
