@@ -105,7 +105,7 @@ def main():
     floor, sync, asy = (results[k]['samples_per_s'] for k in arms)
     lines = [f"## async: the arith recipe as a single process, molt-nb sync and molt-nb async ({datetime.date.today()})", "",
              f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: {os.cpu_count()} CPU cores "
-             f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 1500 steps; held-out accuracy "
+             f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; held-out accuracy "
              f"{warm_acc:.3f}), then each arm runs GRPO (16 prompts x 8 samples per step, lr 1e-4) for {args.seconds:g} s of wall time. "
              "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of that time the "
              "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, engine 1.", "",

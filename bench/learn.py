@@ -1,7 +1,7 @@
 """The main job's claim, per seed: RL on unlabelled prompts adds what more supervision on the same labels does not.
 
 For each seed, `molt-nb train recipes/arith loop.seed=S` in full: a warm start on 450 labelled sums, RL on Ray for
-the recipe's 170 s, and a control that continues supervised training on the same 450 demos for as long as RL ran.
+the recipe's 160 s, and a control that continues supervised training on the same 450 demos for as long as RL ran.
 The acceptance bar: RL gains >= 40 points of held-out accuracy (mean of the last 3 evaluations) on every seed, while
 the control gains <= 10. Run it alone on the machine: RL's progress per second depends on the CPU it gets.
 
@@ -37,8 +37,8 @@ def main():
     lines = [f"## learn: the main job per seed, RL against a supervised control ({datetime.date.today()})", "",
              f"Command: `.venv/bin/python bench/learn.py --seeds {' '.join(map(str, args.seeds))}` (each seed is `molt-nb train recipes/arith "
              f"loop.seed=S`, run alone). Machine: {os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch {torch.__version__}. "
-             "Warm start: 450 labelled sums, 1500 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, async with "
-             "max_staleness 2 on a local Ray, 170 s. Control: supervised training on the same 700 demos from the same warm start for as long as "
+             "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, async with "
+             "max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from the same warm start for as long as "
              "RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 evaluations. Bar: RL gain >= +0.40 and control "
              "gain <= +0.10 on every seed.", "",
              "| seed | warm start | after RL | control | RL gain | control gain | RL steps | rollouts/s | wall (whole command) |",
