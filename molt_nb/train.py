@@ -117,8 +117,9 @@ def rl(cfg:RunConfig, show:bool=True) -> pd.DataFrame:
 def summarize(warm:float|None, metrics:pd.DataFrame, control_accs:list|None, final_evals:int=3) -> pd.DataFrame:
     "Held-out accuracy after each stage: the warm start, RL (mean of the last evals), the supervised control"
     evals = metrics['eval'].dropna()
+    during = metrics[metrics.step > 0]['eval'].dropna() # the start's evaluation is not a result of RL
     rows = [dict(stage='warm start (supervised)', accuracy=warm)] if warm is not None else [dict(stage='start', accuracy=float(evals.iloc[0]))]
-    rows.append(dict(stage='after RL', accuracy=float(evals.iloc[-final_evals:].mean())))
+    rows.append(dict(stage='after RL', accuracy=float(during.iloc[-final_evals:].mean())))
     if control_accs: rows.append(dict(stage='control: more supervision', accuracy=float(pd.Series(control_accs).iloc[-final_evals:].mean())))
     df = pd.DataFrame(rows)
     df['gain'] = df.accuracy - df.accuracy.iloc[0]
