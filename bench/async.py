@@ -10,18 +10,17 @@ the engine's idle fraction, and held-out accuracy at the start and the end (and 
 
     .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--append bench/RESULTS.md]
 """
-import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, random, sys, tempfile, time
+import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, sys, tempfile, time
 from pathlib import Path
 
 import torch
 
 from molt_nb.config import load_config, build_policy
-from molt_nb.core import SamplingParams, collate
+from molt_nb.core import collate
 from molt_nb.engine import TorchEngine
-from molt_nb.agents import load_agent, _module
 from molt_nb.actor import PolicyActor
 from molt_nb.weight_sync import from_buckets
-from molt_nb.loop import evaluate, launch
+from molt_nb.loop import evaluate, launch, recipe_parts
 from molt_nb.train import warm_start, held_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,12 +37,8 @@ async def single_process(cfg, seconds:float) -> dict:
     model, tok = build_policy(cfg)
     engine = TorchEngine(copy.deepcopy(model), seed=cfg.loop.seed, threads=cfg.rollout.threads, max_batch=cfg.rollout.max_batch)
     actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows)
-    runner = load_agent(cfg.agent_path, tok, **cfg.agent_options)
-    module = _module(cfg.agent_path)
-    train, held = list(module.tasks('train')), list(module.tasks('eval'))[:cfg.loop.eval_tasks]
-    random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(train)  # the data order molt-nb uses
-    r = cfg.rollout
-    sp = SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tok.eos_token_id])
+    parts = recipe_parts(cfg, tok)  # the same runner, data order and sampling molt-nb uses
+    runner, train, held, sp, r = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling, cfg.rollout
     start_acc = await evaluate(runner, engine, held, sp)
     pos, rollouts, step, busy0, t0 = 0, 0, 0, engine.stats['busy_s'], time.perf_counter()
     while time.perf_counter() - t0 < seconds:

@@ -6,7 +6,7 @@
 __all__ = ['Turn', 'Env', 'render', 'encode', 'turn_glue', 'StepEnvRunner', 'absorb', 'RolloutAborted', 'load_agent']
 
 # %% ../nbs/05_agents.ipynb #9e4002e8
-import asyncio, importlib.util, inspect, sys
+import asyncio, importlib.util, inspect, sys, types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,8 @@ def _continue(self:StepEnvRunner, messages:list, text:str, sampled:str, new:list
 
 # %% ../nbs/05_agents.ipynb #65fc45cb
 def _module(source) -> Any:
-    "Import an agent module from a .py path or a dotted module name"
+    "Import an agent module from a .py path or a dotted module name (a module already imported is returned as is)"
+    if isinstance(source, types.ModuleType): return source
     path = Path(source)
     if path.suffix == '.py' or path.exists():
         if not path.is_file(): raise FileNotFoundError(f"agent module {str(path)!r} does not exist: give the path of a .py file that exports AgentRunner (e.g. recipes/arith/agent.py) or an importable module name")
@@ -157,7 +158,7 @@ def _module(source) -> Any:
     except ImportError as e: raise ImportError(f"agent module {source!r} could not be imported ({e}): give the path of a .py file or an importable module name") from e
 
 # %% ../nbs/05_agents.ipynb #7df7ee92
-def load_agent(source, # path of a .py file, or a dotted module name, that exports `AgentRunner`
+def load_agent(source, # path of a .py file, a dotted module name, or a module, that exports `AgentRunner`
                tokenizer, # the policy's tokenizer, passed to AgentRunner
                **options, # the recipe's agent options, passed to AgentRunner
               ):

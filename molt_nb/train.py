@@ -6,18 +6,17 @@
 __all__ = ['demo_rows', 'supervised', 'run_sync', 'held_out', 'warm_start', 'control', 'rl', 'summarize', 'plot', 'train']
 
 # %% ../nbs/14_train.ipynb #70173f3d
-import asyncio, concurrent.futures, copy, dataclasses, math, random, time
+import asyncio, concurrent.futures, copy, dataclasses, math, time
 from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
 import transformers
-from .core import SamplingParams
 from .engine import TorchEngine
-from .agents import load_agent, _module, encode
+from .agents import _module, encode
 from .models import save_policy
 from .config import RunConfig, build_policy, load_config
-from .loop import RunStore, evaluate, launch
+from .loop import RunStore, evaluate, launch, recipe_parts
 
 # %% ../nbs/14_train.ipynb #38d722b9
 def demo_rows(tokenizer, pairs:list) -> tuple:
@@ -59,10 +58,8 @@ def run_sync(coro):
 def held_out(model, cfg:RunConfig, tokenizer) -> float:
     "Mean greedy reward of `model` on the recipe's eval tasks"
     engine = TorchEngine(copy.deepcopy(model).eval(), seed=cfg.loop.seed, threads=torch.get_num_threads())
-    runner = load_agent(cfg.agent_path, tokenizer, **cfg.agent_options)
-    tasks = list(_module(cfg.agent_path).tasks('eval'))[:cfg.loop.eval_tasks]
-    sampling = SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop_token_ids=[tokenizer.eos_token_id])
-    try: return run_sync(evaluate(runner, engine, tasks, sampling))
+    parts = recipe_parts(cfg, tokenizer)
+    try: return run_sync(evaluate(parts.runner, engine, parts.eval_tasks, parts.sampling))
     finally: engine.close()
 
 # %% ../nbs/14_train.ipynb #d1d5e67f
