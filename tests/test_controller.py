@@ -1,0 +1,145 @@
+"""The controller against a real `ray start --head` on loopback with token auth, driven through Ray Client (`ray://`)
+from separate driver processes: launch, kill the driver, attach from a new one, hot-swap, a rejected swap."""
+import json, os, signal, socket, subprocess, sys, tempfile, textwrap, time, uuid
+from pathlib import Path
+import psutil, pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PARITY = ROOT/'recipes'/'parity'
+RAY = str(Path(sys.executable).parent/'ray')
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+def session_processes(temp_dir:str) -> list:
+    "The processes of the Ray session in `temp_dir`: those naming it on their command line, and their descendants"
+    roots = []
+    for p in psutil.process_iter(['cmdline']):
+        try:
+            if any(temp_dir in a for a in (p.info['cmdline'] or [])): roots.append(p)
+        except psutil.Error: pass
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try: found |= {c.pid: c for c in p.children(recursive=True)}
+        except psutil.Error: pass
+    return list(found.values())
+
+def stop_session(temp_dir:str):
+    "Stop our head by pid (never `ray stop`, which would kill every Ray on the machine)"
+    procs = session_processes(temp_dir)
+    for p in procs:
+        try: p.terminate()
+        except psutil.Error: pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        try: p.kill()
+        except psutil.Error: pass
+
+@pytest.fixture(scope='module')
+def ray_head():
+    "A Ray head on 127.0.0.1 with token auth and a Ray Client server; yields (address, env of an authorised client)"
+    temp_dir = tempfile.mkdtemp(prefix='molt-rh-')  # short: Ray's socket paths must fit in 107 bytes
+    token = uuid.uuid4().hex
+    env = os.environ | dict(RAY_AUTH_MODE='token', RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0',
+                            RAY_USAGE_STATS_ENABLED='0', HF_HUB_OFFLINE='1', TOKENIZERS_PARALLELISM='false')
+    env.pop('RAY_AUTH_TOKEN_PATH', None); env.pop('RAY_ADDRESS', None)
+    client_port = free_port()
+    ports = ['--port', str(free_port()), '--ray-client-server-port', str(client_port), '--node-manager-port', str(free_port()),
+             '--object-manager-port', str(free_port()), '--dashboard-agent-listen-port', str(free_port()),
+             '--dashboard-agent-grpc-port', str(free_port()), '--runtime-env-agent-port', str(free_port()),
+             '--metrics-export-port', str(free_port())]
+    out = subprocess.run([RAY, 'start', '--head', '--node-ip-address=127.0.0.1', *ports, '--num-cpus=2', f'--temp-dir={temp_dir}',
+                          '--include-dashboard=false', '--disable-usage-stats'], env=env, capture_output=True, text=True, timeout=180)
+    try:
+        assert out.returncode == 0, out.stderr[-3000:]
+        yield f"ray://127.0.0.1:{client_port}", env, temp_dir
+    finally: stop_session(temp_dir)
+
+def driver(code:str, env:dict) -> subprocess.Popen:
+    "A separate Python process running `code` from a file, so its functions have source (a fresh driver, as a new kernel would be)"
+    fd, path = tempfile.mkstemp(suffix='.py', prefix='molt-driver-')
+    with os.fdopen(fd, 'w') as f: f.write(textwrap.dedent(code))
+    return subprocess.Popen([sys.executable, path], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+def result(p:subprocess.Popen, timeout:float) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"driver failed:\n{err[-4000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+LAUNCH = '''
+import sys, time
+from molt_nb.config import load_config
+from molt_nb.controller import connect, launch
+connect({address!r})
+cfg = load_config({recipe!r}, ['loop.steps=400', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
+run = launch(cfg, name='ctl')
+run.wait(until_step=2, timeout=300)
+print('launched', flush=True)
+time.sleep(3600)  # the test kills this driver while the run steps
+'''
+
+ATTACH = '''
+import json, time
+from molt_nb.controller import connect, attach, runs, SwapRejected
+connect({address!r})
+listed = runs()
+run = attach('ctl')
+first = run.status()['step']
+run.wait(until_step=first + 2, timeout=300)  # still stepping without any driver
+m = run.metrics()
+
+def loo_unscaled(x):
+    from molt_nb.estimators import rloo
+    return rloo(x)
+def broken(x):
+    raise RuntimeError('a bug in the cell')
+
+run.pause()
+deadline = time.time() + 300
+while (st := run.status())['state'] != 'paused':
+    assert time.time() < deadline and st['state'] == 'running', st
+    time.sleep(0.2)
+paused_at = run.status()['step']
+run.set_estimator(loo_unscaled)
+try: run.set_estimator(broken); rejected = None
+except SwapRejected as e: rejected = str(e)
+run.resume()
+run.wait(until_step=paused_at + 3, timeout=300)
+after = run.metrics()
+swaps = run.swaps()
+status = run.status()
+run.stop(); final = run.wait(timeout=300)
+print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=m.step.tolist(), steps=after.step.tolist(),
+                      swap_steps=after.loc[after['swap/estimator'].notna(), 'step'].tolist(), swap_names=after['swap/estimator'].dropna().tolist(),
+                      swap_source=after['swap/estimator/source'].dropna().tolist(), paused_at=paused_at, rejected=rejected,
+                      swap_table=swaps[['kind', 'name', 'step']].values.tolist(), state=status['state'], final=final['state'])))
+run.kill()
+'''
+
+def test_launch_kill_driver_attach_and_hot_swap(ray_head, tmp_path):
+    address, env, _ = ray_head
+    first = driver(LAUNCH.format(address=address, recipe=str(PARITY), run_dir=tmp_path/'run'), env)
+    try:
+        line = first.stdout.readline()
+        assert line.strip() == 'launched', first.stderr.read()[-4000:] if first.poll() is not None else line
+    finally:
+        first.send_signal(signal.SIGKILL); first.wait()  # the kernel dies
+    out = result(driver(ATTACH.format(address=address), env), timeout=600)
+    assert out['listed'] == ['ctl']
+    assert out['first'] >= 2
+    steps = out['steps']
+    assert steps == list(range(len(steps))) and steps[-1] >= out['paused_at'] + 3  # no step missing, from 0 (the first evaluation)
+    assert out['steps_at_attach'] == list(range(len(out['steps_at_attach'])))
+    assert out['swap_steps'] == [out['paused_at'] + 1] and out['swap_names'] == ['loo_unscaled']  # took effect at the boundary after the pause
+    assert 'def loo_unscaled(x):' in out['swap_source'][0]
+    assert out['rejected'] and 'a bug in the cell' in out['rejected'] and 'keeps its estimator' in out['rejected']
+    assert out['swap_table'] == [['estimator', 'loo_unscaled', out['paused_at'] + 1]]  # the broken one never reached the run
+    assert out['state'] == 'running' and out['final'] == 'stopped'
+
+def test_ray_client_without_the_token_is_refused(ray_head):
+    address, env, _ = ray_head
+    env = {k: v for k, v in env.items() if k not in ('RAY_AUTH_TOKEN',)} | dict(RAY_AUTH_TOKEN_PATH='/nonexistent/auth_token')
+    p = driver(f"from molt_nb.controller import connect\nconnect({address!r})", env)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0 and "needs the cluster's auth token" in err
