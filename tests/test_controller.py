@@ -12,12 +12,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def session_processes(temp_dir:str) -> list:
-    "The processes of the Ray session in `temp_dir`: those naming it on their command line, and their descendants"
+def session_processes(marks:list) -> list:
+    "The processes of one Ray session: those naming any of `marks` (its temp dir, its GCS address) on their command line, and their descendants"
     roots = []
     for p in psutil.process_iter(['cmdline']):
         try:
-            if any(temp_dir in a for a in (p.info['cmdline'] or [])): roots.append(p)
+            if any(m in a for a in (p.info['cmdline'] or []) for m in marks): roots.append(p)
         except psutil.Error: pass
     found = {p.pid: p for p in roots}
     for p in roots:
@@ -25,9 +25,9 @@ def session_processes(temp_dir:str) -> list:
         except psutil.Error: pass
     return list(found.values())
 
-def stop_session(temp_dir:str):
+def stop_session(marks:list):
     "Stop our head by pid (never `ray stop`, which would kill every Ray on the machine)"
-    procs = session_processes(temp_dir)
+    procs = session_processes(marks)
     for p in procs:
         try: p.terminate()
         except psutil.Error: pass
@@ -44,8 +44,9 @@ def ray_head():
     env = os.environ | dict(RAY_AUTH_MODE='token', RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0',
                             RAY_USAGE_STATS_ENABLED='0', HF_HUB_OFFLINE='1', TOKENIZERS_PARALLELISM='false')
     env.pop('RAY_AUTH_TOKEN_PATH', None); env.pop('RAY_ADDRESS', None)
-    client_port = free_port()
-    ports = ['--port', str(free_port()), '--ray-client-server-port', str(client_port), '--node-manager-port', str(free_port()),
+    client_port, gcs_port = free_port(), free_port()
+    env['RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S'] = '180'  # a client's server process starts slowly while the run keeps 2 cores busy
+    ports = ['--port', str(gcs_port), '--ray-client-server-port', str(client_port), '--node-manager-port', str(free_port()),
              '--object-manager-port', str(free_port()), '--dashboard-agent-listen-port', str(free_port()),
              '--dashboard-agent-grpc-port', str(free_port()), '--runtime-env-agent-port', str(free_port()),
              '--metrics-export-port', str(free_port())]
@@ -54,7 +55,7 @@ def ray_head():
     try:
         assert out.returncode == 0, out.stderr[-3000:]
         yield f"ray://127.0.0.1:{client_port}", env, temp_dir
-    finally: stop_session(temp_dir)
+    finally: stop_session([temp_dir, f"127.0.0.1:{gcs_port}"])  # the Ray Client proxy names only the GCS address
 
 def driver(code:str, env:dict) -> subprocess.Popen:
     "A separate Python process running `code` from a file, so its functions have source (a fresh driver, as a new kernel would be)"
@@ -72,7 +73,7 @@ import sys, time
 from molt_nb.config import load_config
 from molt_nb.controller import connect, launch
 connect({address!r})
-cfg = load_config({recipe!r}, ['loop.steps=400', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
+cfg = load_config({recipe!r}, ['loop.steps=100000', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
 run = launch(cfg, name='ctl')
 run.wait(until_step=2, timeout=300)
 print('launched', flush=True)
