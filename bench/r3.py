@@ -48,7 +48,7 @@ def main():
     metrics = {replay: arm(cfg, replay, root/('on' if replay else 'off')) for replay in (False, True)}
     rows = {replay: summary(m) for replay, m in metrics.items()}
     lines = [f"\n## R3: routing replay off vs on ({datetime.date.today()}, {platform.machine()}, seed {a.seed}, {a.seconds:.0f} s each)\n",
-             f"`.venv/bin/python bench/r3.py --seconds {a.seconds:.0f} --seed {a.seed}`: recipes/arith_moe (16 experts, top-2, 2 layers; bf16 engine, fp32 trainer; sync GRPO, token IS mask [0.99, 1.01]) from one warm start (fp32 held-out accuracy {warm_acc:.3f}). Means over the RL steps; accuracy is the bf16 engine's greedy held-out accuracy at the first evaluation and the mean of the last three.\n",
+             f"`.venv/bin/python bench/r3.py --seconds {a.seconds:.0f} --seed {a.seed}`: recipes/arith_moe (16 experts, top-2, 4 layers; bf16 engine, fp32 trainer; sync GRPO, token IS mask [0.95, 1.05]) from one warm start (fp32 held-out accuracy {warm_acc:.3f}). Means over the RL steps; accuracy is the bf16 engine's greedy held-out accuracy at the first evaluation and the mean of the last three.\n",
              '| replay | steps | ' + ' | '.join(COLUMNS.values()) + ' | held-out start | held-out end |',
              '|---' * (len(COLUMNS) + 4) + '|']
     for replay in (False, True):
