@@ -189,12 +189,13 @@ def train_step(self:PolicyActor, batch:Batch) -> StepResult:
     adv = self.advantages(batch)
     live = self._live_rows(batch, adv)
     metrics, old, routes = self._accumulate(batch, adv, live)
+    unreplayed = self._unreplayed(batch, live) if routes is not None and self.routing.replay and self.routing.compare and live else None
     params = [p for g in self.opt.param_groups for p in g['params']]
     norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf)
     lr = self.opt.param_groups[0]['lr']
     self.opt.step(); self.scheduler.step(); self.opt.zero_grad(set_to_none=True)
     weights, keep, is_metrics = self._correction(batch, old, live)
-    if routes is not None: metrics |= self._routing_metrics(batch, old, live, *routes)
+    if routes is not None: metrics |= self._routing_metrics(batch, old, live, *routes, unreplayed)
     self.step, self.version = self.step + 1, self.version + 1
     act = batch.action_mask
     metrics |= dict(grad_norm=float(norm), lr=lr, tokens=float(act.sum()), rows=float(len(batch)), trained_rows=float(len(live)),
@@ -212,13 +213,31 @@ def _correction(self:PolicyActor, batch:Batch, old:Tensor, live:list) -> tuple:
     return weights, keep, r.metrics
 
 @patch
-def _routing_metrics(self:PolicyActor, batch:Batch, old:Tensor, live:list, natural:Tensor, used:Tensor) -> dict:
+@torch.no_grad()
+def _unreplayed(self:PolicyActor, batch:Batch, live:list) -> Tensor:
+    "(B, T-1) logprobs of rows `live` with the routers choosing for themselves (replay off for this forward only)"
+    out = torch.zeros(batch.action_mask.shape)
+    self.router.replay = False
+    try:
+        for rows in self._micro_batches(batch, live):
+            lp = self._forward_logprobs(self.model, batch.select(rows))
+            out[rows, :lp.shape[1]] = lp
+    finally: self.router.replay = True
+    return out
+
+@patch
+def _routing_metrics(self:PolicyActor, batch:Batch, old:Tensor, live:list, natural:Tensor, used:Tensor,
+                     unreplayed:Tensor|None=None) -> dict: # logprobs of the same rows under live routing (`RoutingConfig.compare`)
     "Forward consistency of a MoE step over the trained rows: routing agreement (used and natural) and the on-policy logprob gap"
     out = {'routing/replay': float(self.routing.replay)}
     if not live: return out
     idx = torch.tensor(live)
     on_policy = batch.action_mask[idx] & (batch.versions[idx] == self.version) # sampled by the weights that scored them
     out |= {f"routing/{k}": v for k, v in logprob_gap(old[idx], batch.logprobs[idx], on_policy).items()}
+    if unreplayed is not None:
+        out |= {f"routing/live_{k}": v for k, v in logprob_gap(unreplayed[idx], batch.logprobs[idx], on_policy).items()}
+        r = is_correction(unreplayed[idx], batch.logprobs[idx], batch.action_mask[idx], self.algo.loss.is_correction, batch.versions[idx], self.version)
+        if 'is_filtered' in r.metrics: out['routing/live_is_filtered'] = r.metrics['is_filtered']
     if batch.routes is None: return out
     valid = batch.attention_mask[idx].bool()
     for name, r in (('', used), ('natural_', natural)):

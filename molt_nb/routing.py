@@ -21,9 +21,10 @@ class RoutingConfig:
     "How a MoE policy routes in training"
     replay:bool=True # route each token to the experts the rollout chose (gate weights recomputed live)
     freeze_router:bool=False # keep the routers' weights fixed (no gradient, no optimizer state)
+    compare:bool=False # with replay: also score the trained rows with live routing (one more forward, no gradient) to report what replay removed on the same tokens
 
     def __post_init__(self):
-        for name in ('replay', 'freeze_router'):
+        for name in ('replay', 'freeze_router', 'compare'):
             if not isinstance(getattr(self, name), bool): raise ValueError(f"RoutingConfig.{name} is {getattr(self, name)!r}, expected true or false")
 
 # %% ../nbs/09_routing.ipynb #953db028

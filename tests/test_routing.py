@@ -14,7 +14,7 @@ def tokens_layers_slots(nested) -> np.ndarray:
     return np.array([np.stack(layers) for layers in nested])
 
 def moe_run(tmp_path, replay:bool):
-    cfg = load_config(ROOT/'recipes'/'parity', [*MOE, f'routing.replay={str(replay).lower()}', f'run_dir="{tmp_path/"run"}"'])
+    cfg = load_config(ROOT/'recipes'/'parity', [*MOE, f'routing.replay={str(replay).lower()}', f'routing.compare={str(replay).lower()}', f'run_dir="{tmp_path/"run"}"'])
     run = launch(cfg)
     run.wait()
     return run.store.metrics().iloc[1:], run.store.samples()
@@ -26,7 +26,9 @@ def test_moe_loop_routes(ray_local, tmp_path, replay):
     assert (m.identity_checked == m['train/tokens']).all()         # ids, logprobs, versions and routes as the engine returned them
     assert (m['routing/replay'] == float(replay)).all()
     assert 'routing/agreement/L0' not in m                           # layer 0 is dense: no column for it
-    if replay: assert (m['routing/agreement'] == 1.0).all() and (m['routing/flip_frac'] == 0).all()
+    if replay:
+        assert (m['routing/agreement'] == 1.0).all() and (m['routing/flip_frac'] == 0).all()
+        assert m['routing/live_logp_gap_mean'].notna().all()           # compare: the same rows scored with live routing
     else: assert (m['routing/agreement'] == m['routing/natural_agreement']).all()
     assert (m['routing/natural_agreement'] > 0.9).all() and m['routing/logp_gap_mean'].notna().all()
     # samples carry the rollout's and the trainer's routes per token, layer 0 (dense) unknown on both sides
