@@ -18,6 +18,8 @@ from safetensors.torch import save_model, load_model
 from .core import Batch
 from .estimators import advantage_input, compute_advantages, get_estimator
 from .losses import LossConfig, compute_loss, loss_denominator, is_correction, kl_estimate
+from .models import moe_gates
+from .routing import RoutingConfig, RouteReplay, freeze_routers, route_agreement, logprob_gap
 from .weight_sync import named_weights, to_buckets
 
 # %% ../nbs/10_actor.ipynb #8d20a76a
@@ -87,6 +89,7 @@ class StepResult:
     logprobs:Tensor # (B, T) the trainer's logprobs before the step
     is_weights:Tensor # (B, T) train/behaviour ratio per token (1 off action tokens)
     is_keep:Tensor # (B, T) bool, action tokens that trained
+    routes:Tensor|None=None # MoE: (B, T, layers, top_k) experts the trainer's own routers chose (-1 on rows not trained)
 
 class PolicyActor:
     "Trains a causal LM on collated batches with a registered estimator and policy loss"
@@ -95,12 +98,17 @@ class PolicyActor:
                  micro_batch_rows:int=32, # rows per forward/backward; the gradient does not depend on it
                  ref_model=None, # frozen reference for KL terms (required when algo uses one)
                  teacher=None, # frozen teacher (required by on_policy_distill)
-                 version:int=0): # policy version of `model`'s weights
+                 version:int=0, # policy version of `model`'s weights
+                 routing:RoutingConfig=RoutingConfig()): # MoE policies: routing replay and router freezing
         if micro_batch_rows < 1: raise ValueError(f"PolicyActor.micro_batch_rows is {micro_batch_rows}: use at least 1 row per micro-batch")
         if algo.needs_reference and ref_model is None: raise ValueError("AlgoConfig uses a KL term (kl_penalty or loss.kl_coef > 0) but no ref_model was given: pass the frozen reference model or set both to 0")
         if algo.estimator == 'on_policy_distill' and teacher is None: raise ValueError("AlgoConfig.estimator='on_policy_distill' needs a teacher: pass teacher=<frozen model>")
         self.model, self.algo, self.optim, self.micro_batch_rows = model.train(), algo, optim, micro_batch_rows
         self.ref_model, self.teacher = [m.eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)]
+        self.routing, self.router = routing, None
+        if moe_gates(model):
+            if routing.freeze_router: freeze_routers(model)
+            self.router = RouteReplay(model, routing.replay)
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.optim))
@@ -109,8 +117,10 @@ class PolicyActor:
 # %% ../nbs/10_actor.ipynb #42e173df
 @patch
 def _forward_logprobs(self:PolicyActor, model, mb:Batch) -> Tensor:
-    "(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled)"
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    "(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled); the policy replays `mb.routes`"
+    if model is self.model and self.router is not None:
+        with self.router.replaying(mb.routes, mb.attention_mask): logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    else: logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     return -F.cross_entropy((logits.float() / self.algo.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none')
 
 @patch
@@ -142,13 +152,16 @@ def advantages(self:PolicyActor, batch:Batch) -> Tensor:
 # %% ../nbs/10_actor.ipynb #384bb24b
 @patch
 def _accumulate(self:PolicyActor, batch:Batch, adv:Tensor, rows:list|None=None) -> tuple:
-    "Backward over the micro-batches of `rows` (default all); returns summed metrics (token-weighted), the loss and the trainer's logprobs"
+    "Backward over the micro-batches of `rows` (default all); the metrics (token-weighted) with the loss, the trainer's logprobs, and for MoE its (natural, used) routes"
     cfg, old = self.algo.loss, torch.zeros(batch.action_mask.shape)
+    routes = None if self.router is None else [torch.full((*batch.input_ids.shape, self.router.num_layers, self.router.top_k), -1, dtype=torch.int16) for _ in range(2)]
     denominator, sums, loss_total = loss_denominator(batch.action_mask, cfg), {}, 0.
     for rows in self._micro_batches(batch, rows):
         mb = batch.select(rows)
         t = mb.action_mask.shape[1]
         logp = self._forward_logprobs(self.model, mb)
+        if routes is not None:
+            for whole, part in zip(routes, self.router.last(tuple(mb.input_ids.shape))): whole[rows, :t + 1] = part
         ref = self.logprobs(mb, self.ref_model) if cfg.kl_coef > 0 else None
         loss, m, _ = compute_loss(logp, logp.detach(), adv[rows][:, :t], mb, cfg, self.version, ref, denominator)
         loss.backward()
@@ -158,7 +171,7 @@ def _accumulate(self:PolicyActor, batch:Batch, adv:Tensor, rows:list|None=None) 
             if k in m: sums[k] = sums.get(k, 0.) + m[k] * n
         loss_total += float(loss.detach())
     n = max(float(batch.action_mask[rows].sum()) if rows else 1., 1.)
-    return {k: v / n for k, v in sums.items()} | dict(loss=loss_total), old
+    return {k: v / n for k, v in sums.items()} | dict(loss=loss_total), old, routes
 
 # %% ../nbs/10_actor.ipynb #9cb784c3
 ZERO_ADVANTAGE_NO_GRADIENT = ('ppo', 'gspo', 'cispo') # built-in losses whose tokens with advantage 0 add exactly 0 to the gradient
@@ -175,17 +188,19 @@ def train_step(self:PolicyActor, batch:Batch) -> StepResult:
     "One optimizer step on `batch`; the weights become version `self.version + 1`"
     adv = self.advantages(batch)
     live = self._live_rows(batch, adv)
-    metrics, old = self._accumulate(batch, adv, live)
+    metrics, old, routes = self._accumulate(batch, adv, live)
+    unreplayed = self._unreplayed(batch, live) if routes is not None and self.routing.replay and self.routing.compare and live else None
     params = [p for g in self.opt.param_groups for p in g['params']]
     norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf)
     lr = self.opt.param_groups[0]['lr']
     self.opt.step(); self.scheduler.step(); self.opt.zero_grad(set_to_none=True)
     weights, keep, is_metrics = self._correction(batch, old, live)
+    if routes is not None: metrics |= self._routing_metrics(batch, old, live, *routes, unreplayed)
     self.step, self.version = self.step + 1, self.version + 1
     act = batch.action_mask
     metrics |= dict(grad_norm=float(norm), lr=lr, tokens=float(act.sum()), rows=float(len(batch)), trained_rows=float(len(live)),
                     adv_mean=float(adv[act].mean()) if act.any() else 0., adv_abs=float(adv[act].abs().mean()) if act.any() else 0.)
-    return StepResult(metrics | is_metrics, adv, old, weights, keep)
+    return StepResult(metrics | is_metrics, adv, old, weights, keep, None if routes is None else routes[0])
 
 @patch
 def _correction(self:PolicyActor, batch:Batch, old:Tensor, live:list) -> tuple:
@@ -196,6 +211,40 @@ def _correction(self:PolicyActor, batch:Batch, old:Tensor, live:list) -> tuple:
     r = is_correction(old[idx], batch.logprobs[idx], batch.action_mask[idx], c, batch.versions[idx], self.version)
     weights[idx], keep[idx] = r.weights, r.keep
     return weights, keep, r.metrics
+
+@patch
+@torch.no_grad()
+def _unreplayed(self:PolicyActor, batch:Batch, live:list) -> Tensor:
+    "(B, T-1) logprobs of rows `live` with the routers choosing for themselves (replay off for this forward only)"
+    out = torch.zeros(batch.action_mask.shape)
+    self.router.replay = False
+    try:
+        for rows in self._micro_batches(batch, live):
+            lp = self._forward_logprobs(self.model, batch.select(rows))
+            out[rows, :lp.shape[1]] = lp
+    finally: self.router.replay = True
+    return out
+
+@patch
+def _routing_metrics(self:PolicyActor, batch:Batch, old:Tensor, live:list, natural:Tensor, used:Tensor,
+                     unreplayed:Tensor|None=None) -> dict: # logprobs of the same rows under live routing (`RoutingConfig.compare`)
+    "Forward consistency of a MoE step over the trained rows: routing agreement (used and natural) and the on-policy logprob gap"
+    out = {'routing/replay': float(self.routing.replay)}
+    if not live: return out
+    idx = torch.tensor(live)
+    on_policy = batch.action_mask[idx] & (batch.versions[idx] == self.version) # sampled by the weights that scored them
+    out |= {f"routing/{k}": v for k, v in logprob_gap(old[idx], batch.logprobs[idx], on_policy).items()}
+    if unreplayed is not None:
+        out |= {f"routing/live_{k}": v for k, v in logprob_gap(unreplayed[idx], batch.logprobs[idx], on_policy).items()}
+        r = is_correction(unreplayed[idx], batch.logprobs[idx], batch.action_mask[idx], self.algo.loss.is_correction, batch.versions[idx], self.version)
+        if 'is_filtered' in r.metrics: out['routing/live_is_filtered'] = r.metrics['is_filtered']
+    if batch.routes is None: return out
+    valid = batch.attention_mask[idx].bool()
+    for name, r in (('', used), ('natural_', natural)):
+        a = route_agreement(batch.routes[idx], r[idx], valid)
+        out[f"routing/{name}tokens"] = float(a.pop('tokens'))
+        out |= {f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v for k, v in a.items()}
+    return out
 
 # %% ../nbs/10_actor.ipynb #e23c51dc
 @patch

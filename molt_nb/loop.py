@@ -78,14 +78,14 @@ class Trainer:
         torch.set_num_threads(cfg.train.threads)
         torch.manual_seed(cfg.loop.seed); random.seed(cfg.loop.seed)
         model, _ = build_policy(cfg)
-        self.actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows)
+        self.actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows, routing=cfg.routing)
         self.busy_s = 0.
 
     def train_step(self, batch) -> dict:
         start = time.perf_counter()
         res = self.actor.train_step(batch)
         self.busy_s += time.perf_counter() - start
-        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights())
+        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights(), train_routes=res.routes)
 
     def weights(self) -> list: return self.actor.weights()
     def save(self, root:str, extra:dict) -> str: return str(self.actor.save(root, extra))
@@ -98,7 +98,7 @@ def check_token_identity(trajectories:list, # the rollouts of a batch, in collat
                          generations:dict, # rollout id -> the engine's Generations for it, in order
                          batch, # collate(trajectories)
                         ) -> int:
-    "Raise if a trained token's id, behaviour logprob or version differs from what the engine returned; the number checked"
+    "Raise if a trained token's id, behaviour logprob, version or MoE route differs from what the engine returned; the number checked"
     row, checked = 0, 0
     for tr in trajectories:
         gens = generations.get(tr.rollout_id)
@@ -108,10 +108,15 @@ def check_token_identity(trajectories:list, # the rollouts of a batch, in collat
         for name, a, b in zip(('id', 'logprob', 'version'), sampled, trained):
             if a.shape != b.shape or not torch.equal(a.to(b.dtype), b):
                 raise AssertionError(f"rollout {tr.rollout_id!r}: trained token {name}s differ from the engine's ({len(b)} trained, {len(a)} sampled)")
+        if gens and gens[0].routes is not None:
+            routed = torch.cat([g.routes[g.prompt_len:] for g in gens])
+            if any(s.routes is None for s in tr.segments) or not torch.equal(routed, torch.cat([s.routes[s.action_mask] for s in tr.segments])):
+                raise AssertionError(f"rollout {tr.rollout_id!r}: the routes of its sampled tokens differ from the engine's")
         for s in tr.segments:
             n = len(s)
             same = (torch.equal(batch.input_ids[row, :n], s.token_ids) and torch.equal(batch.action_mask[row, :n - 1], s.action_mask[1:])
-                    and torch.equal(batch.logprobs[row, :n - 1], s.logprobs[1:]) and torch.equal(batch.versions[row, :n - 1], s.versions[1:]))
+                    and torch.equal(batch.logprobs[row, :n - 1], s.logprobs[1:]) and torch.equal(batch.versions[row, :n - 1], s.versions[1:])
+                    and (s.routes is None or torch.equal(batch.routes[row, :n], s.routes)))
             if not same: raise AssertionError(f"rollout {tr.rollout_id!r}: batch row {row} differs from its segment")
             row, checked = row + 1, checked + int(s.action_mask.sum())
     return checked
@@ -145,7 +150,7 @@ class Orchestrator:
         torch.manual_seed(cfg.loop.seed)
         model, self.tokenizer = build_policy(cfg)
         r = cfg.rollout
-        self.engine = TorchEngine(model, seed=cfg.loop.seed, threads=r.threads, max_batch=r.max_batch)
+        self.engine = TorchEngine(model, dtype=getattr(torch, r.dtype), seed=cfg.loop.seed, threads=r.threads, max_batch=r.max_batch)
         parts = recipe_parts(cfg, self.tokenizer)
         self.runner, self.train_tasks, self.eval_tasks, self.sampling = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling
         self.store = RunStore(cfg.run_dir)
@@ -218,7 +223,7 @@ def _metrics(self:Orchestrator, work:dict, out:dict, pool:Pool, wall:float, busy
     age = torch.bincount((work['version'] - batch.versions[batch.action_mask]).long().clamp(min=0)) # trained tokens by versions old
     return dict(step=self.step, version=self.sync.version, time=time.perf_counter() - self.started, reward=float(rewards.mean()),
                 **{'pass@1': float((rewards >= 1).float().mean())}, length_mean=float(lengths.mean()), length_max=float(lengths.max()),
-                **{f"train/{k}": v for k, v in out['metrics'].items()},
+                **{k if k.startswith('routing/') else f"train/{k}": v for k, v in out['metrics'].items()},
                 **{f"staleness/{k}": float(v) for k, v in enumerate(age.tolist()) if v},
                 engine_idle=max(0., 1 - busy_s / wall), trainer_idle=max(0., 1 - out['seconds'] / wall),
                 time_collect=work['wait'], time_train=out['seconds'], time_sync=sync_s, sync_mb=report.nbytes / 2**20,
@@ -226,14 +231,27 @@ def _metrics(self:Orchestrator, work:dict, out:dict, pool:Pool, wall:float, busy
                 **{f"pool/{k}": float(v) for k, v in pool.counters.items()})
 
 @patch
-def _write_samples(self:Orchestrator, trajectories:list):
-    "One row per trained rollout: ids, reward, the sampled text and each sampled token's version"
+def _write_samples(self:Orchestrator, trajectories:list,
+                   train_routes=None): # MoE: (rows, T, layers, top_k) the trainer's own expert choices, rows in collate order
+    "One row per trained rollout: ids, reward, the sampled text and each sampled token's version; for MoE the routes of every token"
     acts = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]) for t in trajectories]
     vers = [torch.cat([s.versions[s.action_mask] for s in t.segments]) for t in trajectories]
-    self.store.add_samples(pd.DataFrame(dict(
-        step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
-        prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
-        text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=[v.tolist() for v in vers])))
+    columns = dict(step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
+                   prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
+                   text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=[v.tolist() for v in vers])
+    if train_routes is not None: columns |= _route_columns(trajectories, train_routes)
+    self.store.add_samples(pd.DataFrame(columns))
+
+def _route_columns(trajectories:list, train_routes) -> dict:
+    "`routes` (the rollout's) and `train_routes` per rollout: [token][layer][slot] expert ids over its segments' tokens, -1 unknown"
+    rollout, train, row = [], [], 0
+    for t in trajectories:
+        n = [len(s) for s in t.segments]
+        if not n: rollout.append([]); train.append([]); continue
+        rollout.append(torch.cat([s.routes if s.routes is not None else torch.full((len(s), *train_routes.shape[2:]), -1, dtype=torch.int16) for s in t.segments]).tolist())
+        train.append(torch.cat([train_routes[row + i, :k] for i, k in enumerate(n)]).tolist())
+        row += len(n)
+    return dict(routes=rollout, train_routes=train)
 
 # %% ../nbs/13_loop.ipynb #583efb57
 @patch
@@ -277,7 +295,7 @@ async def run(self:Orchestrator) -> dict:
             end = time.perf_counter()
             row = self._metrics(work, out, pool, end - self._last_end, self.engine.stats['busy_s'] - self._last_busy, end - start, report)
             self._last_end, self._last_busy = end, self.engine.stats['busy_s']
-            self._write_samples(work['trajectories'])
+            self._write_samples(work['trajectories'], out.get('train_routes'))
             if not more or (lp.eval_every and self.step % lp.eval_every == 0): row = await self._evaluate(row)
             self.store.log(row); self.latest = row
             if not more or checkpoint: await self._checkpoint(pool)
