@@ -149,7 +149,7 @@ class RunTrainer(Trainer):
         res = self.actor.train_step(batch)
         tokens = token_columns(batch, res, self.actor._live_rows(batch, res.advantages))
         self.busy_s += time.perf_counter() - start
-        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights(), tokens=tokens)
+        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights(), tokens=tokens, train_routes=res.routes)
 
     def algo(self): return self.actor.algo
 
@@ -296,8 +296,8 @@ def _metrics(self:RunOrchestrator, work:dict, out:dict, *args) -> dict:
     return row
 
 @patch
-def _write_samples(self:RunOrchestrator, trajectories:list):
-    Orchestrator._write_samples(self, trajectories)
+def _write_samples(self:RunOrchestrator, trajectories:list, train_routes=None):
+    Orchestrator._write_samples(self, trajectories, train_routes)
     df, tok = self.store.pending[-1], self._tokens
     ids = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist() for t in trajectories]
     flat = self.tokenizer.batch_decode([[i] for row in ids for i in row])

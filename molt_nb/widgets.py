@@ -100,9 +100,15 @@ def outlier_tokens(samples:pd.DataFrame, k:int=20) -> pd.DataFrame:
     return df.iloc[np.argsort(-np.abs(lr), kind='stable')[:k]].reset_index(drop=True)
 
 # %% ../nbs/16_widgets.ipynb #b3f07715
+def _array(x) -> np.ndarray:
+    "Nested lists, or the nested object arrays parquet gives back for them, as one int64 array"
+    if isinstance(x, np.ndarray) and x.dtype == object or isinstance(x, (list, tuple)) and len(x) and isinstance(x[0], (np.ndarray, list, tuple)):
+        return np.stack([_array(e) for e in x]) if len(x) else np.zeros(0, dtype=np.int64)
+    return np.asarray(x, dtype=np.int64)
+
 def routing_disagreement(routes, train_routes) -> np.ndarray:
     "(layers, T) fraction of each token's top-k experts at each layer that training did not route to; NaN where unknown"
-    r, t = np.asarray(routes, dtype=np.int64), np.asarray(train_routes, dtype=np.int64)
+    r, t = _array(routes), _array(train_routes)
     if r.shape != t.shape or r.ndim != 3: raise ValueError(f"routes {r.shape} and train_routes {t.shape} must both be [T][layers][top_k]")
     matched = (r[..., :, None] == t[..., None, :]).any(-1).mean(-1)           # (T, L)
     unknown = (r < 0).any(-1) | (t < 0).any(-1)
