@@ -48,9 +48,11 @@ def turn_glue(tokenizer, messages:list, # the conversation the turn was sampled 
               text:str, # the turn's text, special tokens removed
               sampled:str, # the turn's text with special tokens, as sampled
               new:list, # the environment's messages that follow the turn
-              tools:list|None=None) -> str|None:
+              tools:list|None=None,
+              assistant:dict|None=None, # the turn as a message, e.g. with parsed tool_calls (default: its text as content)
+             ) -> str|None:
     "Template text between the sampled tokens and the next generation prompt; None if the template rewrote history"
-    asst = dict(role='assistant', content=text)
+    asst = assistant or dict(role='assistant', content=text)
     before, after = render(tokenizer, messages, True, tools), render(tokenizer, messages + [asst], False, tools)
     nxt = render(tokenizer, messages + [asst] + new, True, tools)
     if not (after.startswith(before) and nxt.startswith(after)): return None
