@@ -240,10 +240,11 @@ def _routing_metrics(self:PolicyActor, batch:Batch, old:Tensor, live:list, natur
         if 'is_filtered' in r.metrics: out['routing/live_is_filtered'] = r.metrics['is_filtered']
     if batch.routes is None: return out
     valid = batch.attention_mask[idx].bool()
-    for name, r in (('', used), ('natural_', natural)):
-        a = route_agreement(batch.routes[idx], r[idx], valid)
-        out[f"routing/{name}tokens"] = float(a.pop('tokens'))
-        out |= {f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v for k, v in a.items()}
+    a = route_agreement(batch.routes[idx], used[idx], valid)
+    b = route_agreement(batch.routes[idx], natural[idx], valid) if self.routing.replay else a # without replay the forward used its own choice
+    for name, r in (('', a), ('natural_', b)):
+        out[f"routing/{name}tokens"] = float(r['tokens'])
+        out |= {f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v for k, v in r.items() if k != 'tokens'}
     return out
 
 # %% ../nbs/10_actor.ipynb #e23c51dc
