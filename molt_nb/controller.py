@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['NAMESPACE', 'SWAP_KINDS', 'LIVE_FIELDS', 'CHECK_SECONDS', 'SwapRejected', 'Swap', 'make_swap', 'check_estimator',
-           'check_loss', 'check_reward', 'updated_config', 'install', 'token_columns', 'RunTrainer', 'RunOrchestrator',
+           'check_loss', 'check_reward', 'updated_config', 'install', 'RunTrainer', 'RunOrchestrator',
            'auth_token_source', 'connect', 'Run', 'launch', 'attach', 'runs']
 
 # %% ../nbs/15_controller.ipynb #58af85cf
@@ -128,28 +128,11 @@ def install(actor, swap:Swap):
         actor.scheduler.base_lrs = [actor.optim.lr] * len(actor.opt.param_groups)
     else: raise ValueError(f"the trainer cannot install a {swap.kind!r} swap")
 
-def token_columns(batch, res, live:list) -> dict:
-    "rollout id -> per action token lists (logp_train, log_ratio, keep, adv) and whether any of its rows trained"
-    m, counts = batch.action_mask, batch.action_mask.sum(1).tolist()
-    fields = dict(logp_train=res.logprobs, log_ratio=res.is_weights.log(), keep=res.is_keep, adv=res.advantages)
-    split = {k: torch.split(v[m], counts) for k, v in fields.items()}
-    trained = torch.zeros(len(batch), dtype=torch.bool); trained[live] = True
-    out = {}
-    for row, rid in enumerate(batch.rollout_ids):
-        d = out.setdefault(rid, dict(logp_train=[], log_ratio=[], keep=[], adv=[], trained=False))
-        for k in fields: d[k] += split[k][row].tolist()
-        d['trained'] = d['trained'] or bool(trained[row])
-    return out
-
 class RunTrainer(Trainer):
-    "A `Trainer` that installs swaps at step boundaries and reports per-token numbers"
+    "A `Trainer` that installs swaps at step boundaries"
     def train_step(self, batch, swaps:list=()) -> dict:
         for s in swaps: install(self.actor, s)
-        start = time.perf_counter()
-        res = self.actor.train_step(batch)
-        tokens = token_columns(batch, res, self.actor._live_rows(batch, res.advantages))
-        self.busy_s += time.perf_counter() - start
-        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights(), tokens=tokens, train_routes=res.routes)
+        return Trainer.train_step(self, batch)
 
     def algo(self): return self.actor.algo
 
@@ -166,7 +149,7 @@ class RunOrchestrator(Orchestrator):
         super().__init__(cfg, trainer, resume)
         self.name, self.state, self.error, self.task = name, 'created', None, None
         self.pause_after, self.stop_requested, self.resumed = None, False, asyncio.Event()
-        self.queued, self.swaps, self.reward_fn, self.checkpoints, self._tokens, self._pool = [], [], None, [], {}, None
+        self.queued, self.swaps, self.reward_fn, self.checkpoints, self._pool = [], [], None, [], None
         self.resumed.set()
 
     async def start(self) -> dict:
@@ -292,20 +275,9 @@ def _metrics(self:RunOrchestrator, work:dict, out:dict, *args) -> dict:
     row = Orchestrator._metrics(self, work, out, *args)
     for s in work.get('swaps', ()): row[f"swap/{s.kind}"], row[f"swap/{s.kind}/source"] = s.name, s.source
     if 'env_reward' in work: row['reward/env'] = work['env_reward']
-    self._tokens = out.get('tokens', {})
     return row
 
-@patch
-def _write_samples(self:RunOrchestrator, trajectories:list, train_routes=None):
-    Orchestrator._write_samples(self, trajectories, train_routes)
-    df, tok = self.store.pending[-1], self._tokens
-    ids = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist() for t in trajectories]
-    flat = self.tokenizer.batch_decode([[i] for row in ids for i in row])
-    starts = [0]
-    for row in ids: starts.append(starts[-1] + len(row))
-    df['token_ids'], df['pieces'] = ids, [flat[a:b] for a, b in zip(starts, starts[1:])]
-    df['logp_behaviour'] = [torch.cat([s.logprobs[s.action_mask] for s in t.segments]).tolist() for t in trajectories]
-    for k in ('logp_train', 'log_ratio', 'keep', 'adv', 'trained'): df[k] = [tok.get(t.rollout_id, {}).get(k) for t in trajectories]
+
 
 # %% ../nbs/15_controller.ipynb #c34c7841
 @patch

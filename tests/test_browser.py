@@ -22,7 +22,7 @@ def notebook(ray_dir:str, run_dir:str) -> dict:
     cells = [
         "from molt_nb.config import load_config\nfrom molt_nb.controller import connect, launch\nfrom molt_nb.widgets import Dashboard",
         f"connect(temp_dir={ray_dir!r}, num_cpus=2)\n"
-        f"cfg = load_config({str(ROOT/'recipes'/'parity')!r}, ['loop.steps=60', 'loop.mode=\"sync\"', 'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
+        f"cfg = load_config({str(ROOT/'recipes'/'parity')!r}, ['loop.steps=100000', 'loop.mode=\"sync\"', 'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
         "run = launch(cfg, name='browser')",
         "dash = Dashboard(run, refresh_s=0.5)\ndash"]
     return dict(nbformat=4, nbformat_minor=5, metadata=dict(kernelspec=dict(name='python3', display_name='Python 3', language='python')),
@@ -55,6 +55,15 @@ def lab(tmp_path):
         try: proc.wait(20)
         except subprocess.TimeoutExpired: proc.kill()
 
+def run_all(page, tmp_path, tries:int=3):
+    "Run every cell; a Run All sent while JupyterLab is still wiring the kernel's session can be dropped, so resend until cell 1 starts"
+    prompt = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
+    for i in range(tries):
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        try: return page.wait_for_function("el => /\\[[*0-9]+\\]/.test(el.textContent)", arg=prompt.element_handle(), timeout=20_000, polling=250)
+        except Exception: page.screenshot(path=str(tmp_path/f'run_all_{i}.png'))
+    raise AssertionError(f"Run All never started cell 1 (screenshots in {tmp_path})")
+
 @pytest.mark.browser
 def test_dashboard_live_in_jupyterlab(lab, tmp_path):
     from playwright.sync_api import sync_playwright
@@ -66,28 +75,36 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, headless=True, args=FLAGS)
             page = browser.new_page(viewport=dict(width=1400, height=1000))
-            page.goto(f"{url}/lab/workspaces/w_dash/tree/dash.ipynb?reset&token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            status = page.locator(".molt-dashboard .molt-status")
-            status.wait_for(timeout=180_000)
-            tokens = page.locator(".molt-dashboard .molt-tokens span.tok")
-            tokens.first.wait_for(timeout=60_000)
-            first_step = int(status.get_attribute('data-step'))
-            first_curves = page.locator(".molt-dashboard img").first.get_attribute('src')
-            page.screenshot(path=str(tmp_path/'dashboard_mid.png'))
-            page.wait_for_function(f"Number(document.querySelector('.molt-dashboard .molt-status').dataset.step) >= {first_step + 3}", timeout=120_000)
-            later_step = int(status.get_attribute('data-step'))
-            colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
-            ratios = tokens.evaluate_all("els => els.map(e => Number(e.dataset.logRatio))")
-            later_curves = page.locator(".molt-dashboard img").first.get_attribute('src')
-            page.screenshot(path=str(tmp_path/'dashboard.png'))
+            try:
+                page.goto(f"{url}/lab/workspaces/w_dash/tree/dash.ipynb?reset&token={token}")
+                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+                page.get_by_text("| Idle").wait_for(timeout=60_000)
+                run_all(page, tmp_path)
+                status = page.locator(".molt-dashboard .molt-status")
+                status.wait_for(timeout=180_000)
+                tokens = page.locator(".molt-dashboard .molt-tokens span.tok")
+                tokens.first.wait_for(timeout=60_000)
+                first_step, t0 = int(status.get_attribute('data-step')), time.time()
+                curve = page.locator(".molt-dashboard .molt-curves svg").first
+                first_curve = int(curve.get_attribute('data-last'))
+                page.screenshot(path=str(tmp_path/'dashboard_mid.png'))
+                page.wait_for_function(f"Number(document.querySelector('.molt-dashboard .molt-status').dataset.step) >= {first_step + 3}", timeout=120_000, polling=250)
+                later_step, t1 = int(status.get_attribute('data-step')), time.time()
+                colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
+                ratios = tokens.evaluate_all("els => els.map(e => Number(e.dataset.logRatio))")
+                later_curve = int(curve.get_attribute('data-last'))
+                texts = tokens.all_inner_texts()
+                shown = [int(v) for v in page.locator(".molt-dashboard .molt-head").first.inner_text().rsplit('versions ', 1)[1].split('..')]
+                page.screenshot(path=str(tmp_path/'dashboard.png'))
+            except Exception:
+                page.screenshot(path=str(tmp_path/'failure.png')); raise
             browser.close()
     finally: stop_session([ray_dir])
     print(f"screenshots: {tmp_path/'dashboard_mid.png'} {tmp_path/'dashboard.png'}")
+    print(f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {shown}")
     assert later_step >= first_step + 3                       # the curves' header followed the run
-    assert later_curves != first_curves                        # and the curve image was redrawn
+    assert later_curve > first_curve                           # and the curves were redrawn with the new steps
     assert len(colours) > 0 and all(c.startswith('rgb') and c != 'rgba(0, 0, 0, 0)' for c in colours)  # every token chip is coloured
     assert len(set(colours)) > 1 or len(set(ratios)) == 1      # colours follow the (different) log ratios
+    assert texts and not any('\ufffd' in t for t in texts)    # every chip shows its token (bytes of a split character as \xNN)
     assert (tmp_path/'dashboard.png').stat().st_size > 10_000
