@@ -287,7 +287,10 @@ async def metrics(self:RunOrchestrator, since:int|None=None) -> pd.DataFrame:
 
 @patch
 async def samples(self:RunOrchestrator, step:int|None=None) -> pd.DataFrame:
-    return pd.concat([self.store.samples(step), *[p if step is None else p[p.step == step] for p in self.store.pending]], ignore_index=True)
+    "The samples of `step` (default: all): a step's are all in memory (not yet flushed) or all on disk, and a dashboard mostly asks for the newest"
+    if step is None: return pd.concat([self.store.samples(), *self.store.pending], ignore_index=True)
+    held = [p[p.step == step] for p in self.store.pending if len(p) and p.step.min() <= step <= p.step.max()]
+    return pd.concat(held, ignore_index=True) if held else self.store.samples(step)
 
 @patch
 async def config(self:RunOrchestrator) -> dict: return asdict(self.cfg)

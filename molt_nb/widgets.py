@@ -353,13 +353,19 @@ def _header(self:Dashboard):
     self.header.value = f'<div class="molt-status" data-step="{newest}"><b>step {max(newest, 0)}</b>{reward}{err}</div>'
 
 @patch
+def poll_once(self:Dashboard) -> bool:
+    "One poll: take in new steps; when none came, ask whether the run has ended (one call a poll while it steps); whether to go on"
+    try:
+        if self.refresh(): return True
+        if self.source.status()['state'] not in ('finished', 'stopped', 'failed'): return True
+        self.refresh(); return False
+    except Exception as e:
+        with self._own(): self._error(e)
+        return True
+
+@patch
 def _poll(self:Dashboard):
-    while not self._stop.wait(self.refresh_s):
-        try:
-            self.refresh()
-            if self.source.status()['state'] in ('finished', 'stopped', 'failed'): self.refresh(); break
-        except Exception as e:
-            with self._own(): self._error(e)
+    while not self._stop.wait(self.refresh_s) and self.poll_once(): pass
 
 @patch
 def refresh(self:Dashboard) -> bool:
