@@ -209,7 +209,7 @@ class ChatAgent:
 class Judge:
     "Text from the rollout's engine for rewards (LLM-as-judge); recorded nowhere, trained on never"
     def __init__(self, engine, tokenizer, sampling:SamplingParams, max_context:int):
-        self.engine = getattr(engine, 'engine', engine)  # the pool's Recorder keeps the engine it wraps in .engine
+        self.engine = getattr(engine, 'unrecorded', engine)  # past the pool's Recorder: what the judge samples is never trained on
         self.tokenizer, self.sampling, self.max_context = tokenizer, sampling, max_context
 
     async def __call__(self, prompt:str|list, # a user message, or chat messages

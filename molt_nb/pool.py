@@ -74,6 +74,10 @@ class Recorder:
         self.generations.append(gen)
         return gen
     def __getattr__(self, name): return getattr(self.engine, name)
+    @property
+    def unrecorded(self):
+        "The engine itself: what is sampled through it is not recorded (a judge's text is never trained on)"
+        return self.engine
 
 # %% ../nbs/12_pool.ipynb #8c185d91
 async def _within(coro, seconds:float):
