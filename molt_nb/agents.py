@@ -58,9 +58,17 @@ def turn_glue(tokenizer, messages:list, # the conversation the turn was sampled 
     nxt = render(tokenizer, messages + [asst] + new, True, tools)
     if not (after.startswith(before) and nxt.startswith(after)): return None
     closing = after[len(before):]
-    for done in (sampled, text):  # a stopped turn sampled its end token; a cut one did not
-        if closing.startswith(done): return closing[len(done):] + nxt[len(after):]
-    return None
+    if closing.startswith(sampled): return closing[len(sampled):] + nxt[len(after):]  # stopped on its end token, or cut
+    if not closing.startswith(text): return None
+    # special tokens inside the turn are not in the rendered content: what the turn sampled of the closing is at most
+    # one whole special token at its end (its end token), never a piece of one
+    rest = closing[len(text):]
+    ended = next((t for t in _specials(tokenizer) if rest.startswith(t) and sampled.endswith(t)), '')
+    return rest[len(ended):] + nxt[len(after):]
+
+def _specials(tokenizer) -> list:
+    "The tokenizer's special and added token strings, longest first"
+    return sorted({*getattr(tokenizer, 'all_special_tokens', []), *tokenizer.get_added_vocab()}, key=len, reverse=True)
 
 # %% ../nbs/05_agents.ipynb #c8be6198
 class StepEnvRunner:

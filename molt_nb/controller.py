@@ -319,7 +319,13 @@ def connect(address:str|None=None, # None: a private local Ray; 'auto'; or 'ray:
         os.environ.setdefault('RAY_AUTH_MODE', 'token')
         if os.environ['RAY_AUTH_MODE'] == 'token' and auth_token_source() is None:
             raise ValueError(f"connecting to {address} needs the cluster's auth token: pass connect(address, token=...), set RAY_AUTH_TOKEN, point RAY_AUTH_TOKEN_PATH at the token file, or copy it to ~/.ray/auth_token (`ray get-auth-token` on the head prints it)")
-    start_ray('local' if address is None else address, temp_dir, num_cpus)
+    for attempt in range(3):
+        try: start_ray('local' if address is None else address, temp_dir, num_cpus); break
+        except ConnectionAbortedError as e:
+            # the head's Ray Client proxy starts a server process per client, and that start can fail on a busy head
+            # ("Starting Ray client server failed"): a fresh attempt gets a fresh process; anything else is final
+            if 'Starting Ray client server failed' not in str(e) or attempt == 2: raise
+            ray.shutdown(); time.sleep(2 + 4 * attempt)
     return dict(address=address or 'local', cpus=ray.cluster_resources().get('CPU', 0))
 
 # %% ../nbs/15_controller.ipynb #7e993f30
