@@ -1,9 +1,10 @@
 """The dashboard in a real browser: JupyterLab on loopback, driven by Playwright with Debian's Chromium, runs a short
 dashboard notebook against a live run; the token view shows coloured tokens and the curves update while the run steps."""
-import json, os, secrets, shutil, subprocess, sys, tempfile, time, urllib.request
+import json, os, re, secrets, shutil, subprocess, sys, tempfile, time, urllib.request
 from pathlib import Path
 import pytest
 from test_controller import free_port, stop_session
+from molt_nb.widgets import ratio_colours
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -22,7 +23,7 @@ def notebook(ray_dir:str, run_dir:str) -> dict:
     cells = [
         "from molt_nb.config import load_config\nfrom molt_nb.controller import connect, launch\nfrom molt_nb.widgets import Dashboard",
         f"connect(temp_dir={ray_dir!r}, num_cpus=2)\n"
-        f"cfg = load_config({str(ROOT/'recipes'/'parity')!r}, ['loop.steps=100000', 'loop.mode=\"sync\"', 'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
+        f"cfg = load_config({str(ROOT/'recipes'/'parity')!r}, ['loop.steps=100000', 'loop.mode=\"async\"', 'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
         "run = launch(cfg, name='browser')",
         "dash = Dashboard(run, refresh_s=0.5)\ndash"]
     return dict(nbformat=4, nbformat_minor=5, metadata=dict(kernelspec=dict(name='python3', display_name='Python 3', language='python')),
@@ -94,17 +95,19 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
                 ratios = tokens.evaluate_all("els => els.map(e => Number(e.dataset.logRatio))")
                 later_curve = int(curve.get_attribute('data-last'))
                 texts = tokens.all_inner_texts()
-                shown = [int(v) for v in page.locator(".molt-dashboard .molt-head").first.inner_text().rsplit('versions ', 1)[1].split('..')]
+                versions = [int(v) for v in page.locator(".molt-dashboard .molt-head").first.inner_text().rsplit('versions ', 1)[1].split('..')]
                 page.screenshot(path=str(tmp_path/'dashboard.png'))
             except Exception:
                 page.screenshot(path=str(tmp_path/'failure.png')); raise
             browser.close()
     finally: stop_session([ray_dir])
     print(f"screenshots: {tmp_path/'dashboard_mid.png'} {tmp_path/'dashboard.png'}")
-    print(f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {shown}")
+    print(f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {versions}, log ratios {ratios}, colours {colours}")
     assert later_step >= first_step + 3                       # the curves' header followed the run
     assert later_curve > first_curve                           # and the curves were redrawn with the new steps
     assert len(colours) > 0 and all(c.startswith('rgb') and c != 'rgba(0, 0, 0, 0)' for c in colours)  # every token chip is coloured
-    assert len(set(colours)) > 1 or len(set(ratios)) == 1      # colours follow the (different) log ratios
+    expected = [tuple(int(h[i:i + 2], 16) for i in (1, 3, 5)) for h in ratio_colours(ratios, 0.5)]
+    shown = [tuple(map(int, re.findall(r'\d+', c)[:3])) for c in colours]
+    assert all(max(abs(a - b) for a, b in zip(e, c)) <= 2 for e, c in zip(expected, shown)), (ratios, colours)  # each chip's colour is its log ratio's
     assert texts and not any('\ufffd' in t for t in texts)    # every chip shows its token (bytes of a split character as \xNN)
     assert (tmp_path/'dashboard.png').stat().st_size > 10_000
