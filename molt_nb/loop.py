@@ -35,6 +35,7 @@ class RunStore:
         self.root = Path(root)
         (self.root/'samples').mkdir(parents=True, exist_ok=True)
         self.rows, self.pending = (self.metrics().to_dict('records') if (self.root/'metrics.parquet').exists() else []), []
+        self._frame = None # the metrics written so far as a frame: a flush adds only the rows logged since (rows never change once logged)
 
     @property
     def checkpoints(self) -> Path: return self.root/'checkpoints'
@@ -46,7 +47,11 @@ class RunStore:
 
     def flush(self):
         "Write the metrics, and the samples gathered since the last flush as one file named by their last step"
-        _write_parquet(pd.DataFrame(self.rows), self.root/'metrics.parquet')
+        done = 0 if self._frame is None else len(self._frame)
+        if self._frame is None or done < len(self.rows):
+            new = pd.DataFrame(self.rows[done:])
+            self._frame = new if not done else pd.concat([self._frame, new], ignore_index=True)
+        _write_parquet(self._frame, self.root/'metrics.parquet')
         if self.pending:
             df, self.pending = pd.concat(self.pending, ignore_index=True), []
             _write_parquet(df, self.root/'samples'/f"until_{int(df.step.max()):08d}.parquet")
@@ -60,13 +65,13 @@ class RunStore:
 
     def reset(self):
         "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
-        self.rows, self.pending = [], []
+        self.rows, self.pending, self._frame = [], [], None
         for f in [self.root/'metrics.parquet', *(self.root/'samples').glob('until_*.parquet')]: f.unlink(missing_ok=True)
         shutil.rmtree(self.checkpoints, ignore_errors=True)
 
     def truncate(self, step:int):
         "Forget what was logged after `step` (a resumed run rewrites it)"
-        self.rows = [r for r in self.rows if r['step'] <= step]
+        self.rows, self._frame = [r for r in self.rows if r['step'] <= step], None
         for f in (self.root/'samples').glob('until_*.parquet'):
             if int(f.stem.split('_')[1]) > step:
                 df = pd.read_parquet(f)
