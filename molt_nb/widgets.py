@@ -318,7 +318,7 @@ class Dashboard:
         return handler
 
     def _error(self, e:Exception):
-        self.errors.append(f"{type(e).__name__}: {e}")
+        self.errors = [*self.errors[-99:], f"{type(e).__name__}: {e}"]  # the last 100
         self._header()
 
 # %% ../nbs/16_widgets.ipynb #2f2e3f1f
@@ -361,7 +361,7 @@ def poll_once(self:Dashboard) -> bool:
         self.refresh(); return False
     except Exception as e:
         with self._own(): self._error(e)
-        return True
+        return not any(c.__name__ in ('RayActorError', 'ActorDiedError') for c in type(e).__mro__) # a dead run: stop polling
 
 @patch
 def _poll(self:Dashboard):
@@ -369,20 +369,22 @@ def _poll(self:Dashboard):
 
 @patch
 def refresh(self:Dashboard) -> bool:
-    "Fetch new metrics rows; redraw and follow the newest step if any arrived"
+    "Fetch new metrics rows; redraw and follow the newest step if any arrived (the lock is never held across a call to the run)"
+    last = lambda: int(self.metrics.step.max()) if len(self.metrics) else None
+    new = self.source.metrics(since=last())
+    if not len(new): return False
     with self._own():
-        last = int(self.metrics.step.max()) if len(self.metrics) else None
-        new = self.source.metrics(since=last)
+        if last() is not None: new = new[new.step > last()] # a user's refresh may have taken some meanwhile
         if not len(new): return False
         self.metrics = pd.concat([self.metrics, new], ignore_index=True) if len(self.metrics) else new
         self._header()
         self.curves.value = curves_html(self.metrics)
         if self._tab() == 'engines': self._draw_tab()
         steps = self.metrics.step[self.metrics.step > 0]
-        if len(steps):
-            self.step_pick.max = int(steps.max()); self.step_pick.min = int(steps.min())
-            if self.follow.value: self._show_step(int(steps.max()))
-        return True
+        if len(steps): self.step_pick.max = int(steps.max()); self.step_pick.min = int(steps.min())
+        newest = int(steps.max()) if len(steps) and self.follow.value else None
+    if newest is not None: self._show_step(newest)
+    return True
 
 # %% ../nbs/16_widgets.ipynb #46dfcc49
 @patch
@@ -396,8 +398,9 @@ def _pick_step(self:Dashboard, step:int):
 
 @patch
 def _show_step(self:Dashboard, step:int):
+    samples = self.source.samples(step)  # outside the lock: a slow run never blocks the user's handlers
     with self._own():
-        self.step, self.samples = step, self.source.samples(step)
+        self.step, self.samples = step, samples
         self.step_pick.value = step
         self.outliers, self.outlier_i = outlier_tokens(self.samples), -1
         self.hist.value = ratios_svg(self.samples, self.scale)

@@ -91,8 +91,8 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
                 page.screenshot(path=str(tmp_path/'dashboard_mid.png'))
                 page.wait_for_function(f"Number(document.querySelector('.molt-dashboard .molt-status').dataset.step) >= {first_step + 3}", timeout=120_000, polling=250)
                 later_step, t1 = int(status.get_attribute('data-step')), time.time()
-                colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
-                ratios = tokens.evaluate_all("els => els.map(e => Number(e.dataset.logRatio))")
+                pairs = tokens.evaluate_all("els => els.map(e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)])")  # one read: the view redraws as the run steps
+                colours, ratios = [c for c, _ in pairs], [r for _, r in pairs]
                 later_curve = int(curve.get_attribute('data-last'))
                 texts = tokens.all_inner_texts()
                 versions = [int(v) for v in page.locator(".molt-dashboard .molt-head").first.inner_text().rsplit('versions ', 1)[1].split('..')]
