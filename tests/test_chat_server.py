@@ -57,6 +57,15 @@ async def _serve(model, version=0, **options):
     engine = TorchEngine(copy.deepcopy(model), seed=0, version=version)
     return engine, await ChatServer(TOK, **options).start()
 
+async def _session(model, max_context:int=2048, version:int=0):
+    "A served engine behind a Spy, one session on it, and an OpenAI and an Anthropic client for that session"
+    engine, server = await _serve(model, version=version)
+    spy = Spy(engine)
+    s = server.open(spy, GREEDY, max_context)
+    oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+    an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+    return engine, server, spy, s, oa, an
+
 def _check_identity(spy:Spy, session, convs:list, tools):
     "Each engine prompt is the template's rendering of the client's conversation; the segments hold exactly the prompts' deltas and the samples"
     assert len(spy.calls) == len(convs)
@@ -75,10 +84,7 @@ def _check_identity(spy:Spy, session, convs:list, tools):
 @pytest.mark.parametrize('stream', [False, True])
 def test_openai_tool_calls_round_trip(tool_model, stream):
     async def main():
-        engine, server = await _serve(tool_model, version=3)
-        spy = Spy(engine)
-        s = server.open(spy, GREEDY, 2048)
-        client = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+        engine, server, spy, s, client, _ = await _session(tool_model, version=3)
 
         async def ask(messages):
             if not stream:
@@ -125,10 +131,7 @@ def _as_canonical(m:dict) -> dict:
 
 def test_retry_returns_cached_reply_and_records_nothing(tool_model):
     async def main():
-        engine, server = await _serve(tool_model)
-        spy = Spy(engine)
-        s = server.open(spy, GREEDY, 2048)
-        client = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+        engine, server, spy, s, client, _ = await _session(tool_model)
         first = await client.chat.completions.create(model='policy', messages=[USER], tools=OPENAI_TOOLS)
         before = s.segments[0]
         again = await client.chat.completions.create(model='policy', messages=[USER], tools=OPENAI_TOOLS)
@@ -142,10 +145,7 @@ def test_retry_returns_cached_reply_and_records_nothing(tool_model):
 @pytest.mark.parametrize('stream', [False, True])
 def test_anthropic_tool_use_round_trip(tool_model, stream):
     async def main():
-        engine, server = await _serve(tool_model)
-        spy = Spy(engine)
-        s = server.open(spy, GREEDY, 2048)
-        client = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+        engine, server, spy, s, _, client = await _session(tool_model)
 
         async def ask(messages):
             if not stream: return await client.messages.create(model='policy', max_tokens=200, messages=messages, tools=ANTHROPIC_TOOLS)
@@ -205,11 +205,7 @@ def test_compaction_seals_a_segment_sharing_rollout_and_reward(tool_model):
 
 def test_bad_input_gets_4xx_in_the_wire_format_and_leaves_the_session_intact(tool_model):
     async def main():
-        engine, server = await _serve(tool_model)
-        spy = Spy(engine)
-        s = server.open(spy, GREEDY, 1024)
-        oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
-        an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+        engine, server, spy, s, oa, an = await _session(tool_model, max_context=1024)
         r1 = await oa.chat.completions.create(model='policy', messages=[USER], tools=OPENAI_TOOLS)
         state = (list(s.segments), s.key, s.turns)
         m1 = r1.choices[0].message.model_dump(exclude_none=True)
