@@ -1,10 +1,13 @@
 # The two commands of the README, and the steps of the test suite.
-# Every target bootstraps .venv/ first (idempotent: redone only when pyproject.toml or constraints.txt change).
+# Every target bootstraps .venv/ first. The install is redone only when the *content* of pyproject.toml or
+# constraints.txt changes: the stamp's name carries their hash, so a tool that rewrites pyproject.toml with the
+# same content (nbdev-export does) does not make it stale.
 
 SHELL := /bin/bash
 VENV  := .venv
 BIN   := $(VENV)/bin
-STAMP := $(VENV)/.installed
+DEPS  := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(DEPS)
 PYTHON ?= python3
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
@@ -13,11 +16,12 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: golden run test setup check-clean check-export check-readme nbtest nbval pytest readme
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# CPU torch first, pinned: anything unpinned that depends on torch would pull a CUDA build.
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,8 +30,12 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/molt-nb train recipes/arith
 
-## make test: the whole suite, in order, stopping at the first failure; ends with pytest's summary line.
-test: setup check-clean check-export check-readme nbtest nbval pytest
+## make test: every step of the suite, each reported as it ends even when an earlier one failed; then a summary,
+## a check that the suite changed no file of the checkout, and pytest's summary line last. Non-zero if any failed.
+STEPS := check-clean check-export check-readme nbval pytest
+
+test: setup
+	@.ci/steps $(STEPS)
 
 # Hash the files `find $(1)` lists, run $(2), fail with message $(3) if any changed.
 define unchanged
@@ -55,11 +63,18 @@ readme: setup
 check-readme: setup
 	$(call unchanged,. -maxdepth 1 -name README.md,$(MAKE) -s readme,README.md is out of date with nbs/index.ipynb: commit the regenerated README.md.)
 
+# Every notebook runs once, under nbval (which also skips '#| eval: false' and test-flagged cells, as nbdev-test
+# does: see conftest.py). nbdev-test stays for the flagged tiers: `make nbtest FLAGS=gpu` on a GPU machine.
 nbtest: setup
-	$(BIN)/nbdev-test
+	$(BIN)/nbdev-test $(if $(FLAGS),--flags '$(FLAGS)')
+
+# The stored outputs are recorded with the CPU's own kernels (AVX2 or AVX-512); nbval compares them under other
+# ones (ATen without SIMD, oneDNN and MKL on SSE4, one thread), so an output that depends on the CPU fails here,
+# on any machine, instead of on the next one. `make nbval NBVAL_KERNELS=` compares under the native kernels.
+NBVAL_KERNELS ?= ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1
 
 nbval: setup
-	$(BIN)/python -m pytest --nbval nbs --nbval-sanitize-with nbval_sanitize.cfg -p no:cacheprovider -q
+	$(NBVAL_KERNELS) $(BIN)/python -m pytest --nbval nbs --nbval-sanitize-with nbval_sanitize.cfg -p no:cacheprovider -q
 
 pytest: setup
 	$(BIN)/python -m pytest tests -p no:cacheprovider
