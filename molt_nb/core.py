@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SamplingParams', 'filters_off', 'process_logits', 'token_logprobs', 'Segment', 'Trajectory', 'Result', 'Batch',
-           'collate']
+           'collate', 'check_registration']
 
 # %% ../nbs/00_core.ipynb #2bda2262
 import dataclasses, math
@@ -414,3 +414,21 @@ def select(self:Batch, idx, # row indices: an int, a list, a slice, or a (B,) bo
 def to(self:Batch, device) -> Batch:
     "The batch with every tensor on `device`"
     return Batch(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v for f in dataclasses.fields(self)})
+
+# %% ../nbs/00_core.ipynb #2bb74fbf
+def _qualified(fn) -> str: return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+def _same_function(a, b) -> bool:
+    "True when `b` is `a`, or `a` defined again: the same module and qualified name (a notebook cell run twice)"
+    return a is b or (hasattr(a, '__qualname__') and _qualified(a) == _qualified(b))
+
+def check_registration(kind:str, # what the registry holds, for the message: 'estimator', 'policy loss', ...
+                       name:str, # the name being registered
+                       old, # the function registered as `name` now; None when the name is free
+                       new, # the function being registered
+                       replace:bool=False, # replace a different function on purpose (a hot swap)
+                      ):
+    "Raise if `name` already names a function other than `new` (or `new` defined again), unless `replace`"
+    if old is None or replace or _same_function(old, new): return
+    raise ValueError(f"{kind} {name!r} is already registered to {_qualified(old)}: pass replace=True to replace it "
+                     f"with {_qualified(new)} (a hot swap), or register yours under another name")

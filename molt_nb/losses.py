@@ -12,7 +12,7 @@ import dataclasses, math
 from dataclasses import dataclass
 import torch
 from torch import Tensor
-from .core import Batch
+from .core import Batch, check_registration
 from .golden import golden_case
 
 # %% ../nbs/08_losses.ipynb #9c9abad5
@@ -154,9 +154,12 @@ def is_correction(logp:Tensor, # (B, T) the trainer's logprobs at the current we
 # %% ../nbs/08_losses.ipynb #7eda0ee6
 POLICY_LOSSES = {} # name -> fn(logp, old_logp, adv, mask, cfg) -> (B, T) per-token loss
 
-def policy_loss(name:str):
+def policy_loss(name:str, # the name `LossConfig.policy_loss` selects it by
+                replace:bool=False, # replace a different function registered as `name` (a hot swap)
+               ):
     "Register `fn(logp, old_logp, adv, mask, cfg) -> (B, T) loss` as the policy loss `name`"
     def register(fn):
+        check_registration('policy loss', name, POLICY_LOSSES.get(name), fn, replace)
         POLICY_LOSSES[name] = fn
         return fn
     return register
