@@ -211,7 +211,9 @@ def _log_ratio(logp:Tensor, old_logp:Tensor, mask:Tensor) -> Tensor:
     "(B, T) clamp(nan_to_num(logp − old), ±30) on the mask, 0 off it"
     return torch.where(mask, torch.nan_to_num(logp - old_logp).clamp(-30, 30), 0.)
 
-def _clean_adv(adv:Tensor, mask:Tensor) -> Tensor: return torch.where(mask, torch.nan_to_num(adv), 0.)
+def _clean_adv(adv:Tensor, mask:Tensor) -> Tensor:
+    "(B, T) `adv` on the mask, 0 off it and where it is NaN or ±inf"
+    return torch.where(mask & adv.isfinite(), adv, 0.)
 
 def _clipped_surrogate(ratio:Tensor, adv:Tensor, cfg:LossConfig) -> Tensor:
     "(B, T) −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)"
@@ -307,14 +309,16 @@ def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gra
     _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef)
     mask, old_logp = batch.action_mask, old_logp.detach()
     correction = is_correction(old_logp, batch.logprobs, mask, cfg.is_correction, batch.versions, version)
-    pg = get_policy_loss(cfg.policy_loss)(logp, old_logp, adv, correction.keep, cfg) * correction.coef
+    clean = _clean_adv(adv, mask)
+    pg = get_policy_loss(cfg.policy_loss)(logp, old_logp, clean, correction.keep, cfg) * correction.coef
     total, metrics = pg, {}
     if kl_coef > 0:
         kl = torch.where(mask, kl_estimate(logp, logp_ref, cfg.kl_estimator), 0.)
         total, metrics['kl_loss'] = pg + kl_coef * kl, _mean(kl.detach(), mask)
     loss = aggregate(total, mask, cfg, denominator)
-    metrics = dict(loss=float(loss.detach()), pg_loss=_mean(pg.detach(), correction.keep), **metrics)
-    return loss, metrics | _ratio_metrics(logp, old_logp, adv, correction.keep, cfg) | correction.metrics, correction
+    metrics = dict(loss=float(loss.detach()), pg_loss=_mean(pg.detach(), correction.keep), **metrics,
+                   adv_nonfinite=_frac((mask & ~adv.isfinite()).sum(), mask.sum()))
+    return loss, metrics | _ratio_metrics(logp, old_logp, clean, correction.keep, cfg) | correction.metrics, correction
 
 # %% ../nbs/08_losses.ipynb #d330ec9f
 def group_filter(scores:Tensor, # (B,) score of each row's rollout
