@@ -6,7 +6,7 @@
 __all__ = ['KL_ESTIMATORS', 'IS_LEVELS', 'IS_MODES', 'POLICY_LOSSES', 'AGGREGATIONS', 'kl_estimate', 'FixedKL', 'AdaptiveKL',
            'ISConfig', 'ISResult', 'is_correction', 'policy_loss', 'get_policy_loss', 'LossConfig', 'ppo_clipped',
            'ppo_loss', 'gspo_clipped', 'gspo_loss', 'cispo_clipped', 'cispo_loss', 'loss_denominator', 'aggregate',
-           'compute_loss', 'group_filter']
+           'compute_loss', 'group_drop_reason', 'group_filter']
 
 # %% ../nbs/08_losses.ipynb #cabfe976
 import dataclasses, math
@@ -351,6 +351,18 @@ def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gra
     return loss, metrics | correction.metrics, correction
 
 # %% ../nbs/08_losses.ipynb #d330ec9f
+def group_drop_reason(scores:list, # the score of each rollout of the group
+                      low:float, # a group is kept if its mean score is > low ...
+                      high:float, # ... and < high
+                      group_size:int, # rollouts a complete group has
+                     ) -> str|None: # 'incomplete', 'all_pass' or 'all_fail'; None keeps the group
+    "DAPO's keep rule for one group: why it is dropped, or None to keep it"
+    if len(scores) != group_size: return 'incomplete'
+    mean = sum(scores) / len(scores)
+    if mean >= high: return 'all_pass'
+    if mean <= low: return 'all_fail'
+    return None
+
 def group_filter(scores:Tensor, # (B,) score of each row's rollout
                  rollout_ids:list, # (B,) rollout id of each row; rows of one rollout count once
                  group_ids:list, # (B,) group id of each row
@@ -366,11 +378,9 @@ def group_filter(scores:Tensor, # (B,) score of each row's rollout
     for s, r, gid in zip(scores.tolist(), rollout_ids, group_ids): groups.setdefault(gid, {}).setdefault(r, s)
     counts, kept = dict(incomplete=0, all_pass=0, all_fail=0), set()
     for gid, rollouts in groups.items():
-        mean = sum(rollouts.values()) / len(rollouts)
-        if len(rollouts) != group_size: counts['incomplete'] += 1
-        elif mean >= high: counts['all_pass'] += 1
-        elif mean <= low: counts['all_fail'] += 1
-        else: kept.add(gid)
+        why = group_drop_reason(list(rollouts.values()), low, high, group_size)
+        if why is None: kept.add(gid)
+        else: counts[why] += 1
     keep = torch.tensor([gid in kept for gid in group_ids], dtype=torch.bool, device=scores.device)
     metrics = dict(groups=float(len(groups)), kept_groups=float(len(kept)), pass_rate=_frac(len(kept), len(groups)))
     return keep, metrics | {k: float(v) for k, v in counts.items()}
