@@ -135,7 +135,7 @@ def _first(bad:Tensor) -> tuple:
 def _as(value, dtype, name:str, device=None) -> Tensor:
     "`value` as a `dtype` tensor; for an integer dtype, raise on an entry that is not a whole number"
     t = torch.as_tensor(value, device=device)
-    if dtype.is_floating_point or not t.is_floating_point(): return t.to(dtype)  # the fast path: ints stay ints
+    if dtype.is_floating_point or not t.is_floating_point(): return torch.as_tensor(t, dtype=dtype)  # the fast path
     if not isinstance(value, Tensor): t = torch.as_tensor(value, dtype=torch.float64, device=device)  # exact ids > 2**24
     bad = ~t.isfinite() | (t != t.round())
     if bool(bad.any()):
@@ -145,7 +145,7 @@ def _as(value, dtype, name:str, device=None) -> Tensor:
 
 def _bad_logprob(lp:Tensor) -> Tensor:
     "Where `lp` cannot be the logprob of a sampled token: NaN, ±inf or > 0"
-    return ~(lp.isfinite() & (lp <= 0))
+    return ~((lp > -math.inf) & (lp <= 0))  # NaN fails both; cheaper than isfinite on the hot path
 
 def _check_token_ids(ids:Tensor, vocab_size:int|None, where:str):
     "Raise if an id in `ids` is negative or, when `vocab_size` is given, >= vocab_size"
