@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SamplingParams', 'filters_off', 'process_logits', 'token_logprobs', 'Segment', 'Trajectory', 'Result', 'Batch',
-           'collate']
+           'collate', 'check_registration']
 
 # %% ../nbs/00_core.ipynb #2bda2262
 import dataclasses, math
@@ -99,11 +99,11 @@ class Segment:
     vocab_size:int|None=field(default=None, repr=False, compare=False) # when given, ids must be < vocab_size
 
     def __post_init__(self):
-        self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.int64)
-        as_ = lambda v, dtype: torch.as_tensor(v, dtype=dtype, device=self.token_ids.device)
-        self.action_mask, self.logprobs = as_(self.action_mask, torch.bool), as_(self.logprobs, torch.float32)
-        self.versions = as_(self.versions, torch.int32)
-        if self.routes is not None: self.routes = as_(self.routes, torch.int16)
+        self.token_ids = _as(self.token_ids, torch.int64, 'Segment.token_ids')
+        as_ = lambda name, dtype: _as(getattr(self, name), dtype, f"Segment.{name}", self.token_ids.device)
+        self.action_mask, self.logprobs = as_('action_mask', torch.bool), as_('logprobs', torch.float32)
+        self.versions = as_('versions', torch.int32)
+        if self.routes is not None: self.routes = as_('routes', torch.int16)
         _check_shapes(self)
         _check_values(self)
 
@@ -132,6 +132,21 @@ def _first(bad:Tensor) -> tuple:
     i = tuple(bad.nonzero()[0].tolist())
     return i[0] if len(i) == 1 else i
 
+def _as(value, dtype, name:str, device=None) -> Tensor:
+    "`value` as a `dtype` tensor; for an integer dtype, raise on an entry that is not a whole number"
+    t = torch.as_tensor(value, device=device)
+    if dtype.is_floating_point or not t.is_floating_point(): return torch.as_tensor(t, dtype=dtype)  # the fast path
+    if not isinstance(value, Tensor): t = torch.as_tensor(value, dtype=torch.float64, device=device)  # exact ids > 2**24
+    bad = ~t.isfinite() | (t != t.round())
+    if bool(bad.any()):
+        raise ValueError(f"{name} has {t[_first(bad)].item()} at position {_first(bad)}, not a whole number: "
+                         f"a cast to {str(dtype).removeprefix('torch.')} would truncate it; pass integers")
+    return t.to(dtype)
+
+def _bad_logprob(lp:Tensor) -> Tensor:
+    "Where `lp` cannot be the logprob of a sampled token: NaN, ±inf or > 0"
+    return ~((lp > -math.inf) & (lp <= 0))  # NaN fails both; cheaper than isfinite on the hot path
+
 def _check_token_ids(ids:Tensor, vocab_size:int|None, where:str):
     "Raise if an id in `ids` is negative or, when `vocab_size` is given, >= vocab_size"
     bad = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
@@ -140,18 +155,40 @@ def _check_token_ids(ids:Tensor, vocab_size:int|None, where:str):
     raise ValueError(f"{where} has id {int(ids[i])} at position {i}, outside the vocabulary: expected {expected}; tokens must come from the tokenizer of the model that trains on them")
 
 def _check_values(s:Segment):
-    "Raise if `s` has bad ids, logprobs on non-action tokens, or action tokens without a finite logprob or a version"
+    "Raise if `s` has a bad id, logprob, version or route, or an action on token 0"
     act, lp, ids = s.action_mask, s.logprobs, s.token_ids
-    # one fused test on the fast path (segments are built for every turn of every rollout); the messages below only on failure
-    bad = (ids < 0) | (act & ~lp.isfinite()) | (act & (s.versions < 0)) | (~act & (lp != 0))
+    # one fused test on the fast path (segments are built for every turn of every rollout); messages only on failure
+    bad = (ids < 0) | (act & _bad_logprob(lp)) | (act & (s.versions < 0)) | (~act & (lp != 0))
+    bad[:1] |= act[:1]
     if s.vocab_size is not None: bad |= ids >= s.vocab_size
     if not bool(bad.any()) and (s.routes is None or not bool((s.routes < -1).any())): return
     _check_token_ids(s.token_ids, s.vocab_size, 'Segment.token_ids')
-    act, lp = s.action_mask, s.logprobs
-    if (bad := ~act & (lp != 0)).any(): raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at position {_first(bad)}, a non-action token ({int(bad.sum())} such tokens): behaviour logprobs belong to action tokens; use 0.0 elsewhere or mark the token in action_mask")
-    if (bad := act & ~lp.isfinite()).any(): raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a sampled token needs a finite logprob under the distribution it was sampled from (process_logits)")
-    if (bad := act & (s.versions < 0)).any(): raise ValueError(f"Segment.versions is {int(s.versions[_first(bad)])} at action position {_first(bad)} ({int(bad.sum())} action tokens without a version): every sampled token needs the policy version (>= 0) that produced it")
-    if s.routes is not None and (bad := s.routes < -1).any(): raise ValueError(f"Segment.routes has value {int(s.routes[_first(bad)])} at (token, layer, slot) {_first(bad)}: expert ids are >= 0 and -1 means unknown")
+    _check_actions(s)
+    if s.routes is None or not (bad := s.routes < -1).any(): return
+    raise ValueError(f"Segment.routes has value {int(s.routes[_first(bad)])} at (token, layer, slot) {_first(bad)}: "
+                     "expert ids are >= 0 and -1 means unknown")
+
+def _check_actions(s:Segment):
+    "Raise, saying why, if the action flags, logprobs or versions of `s` disagree"
+    act, lp, vs = s.action_mask, s.logprobs, s.versions
+    if act[0]:
+        raise ValueError("Segment.action_mask is True at position 0: the first token of a segment is context (no token "
+                         "precedes it, so no forward scores it) and cannot be an action; start the segment with its "
+                         "prompt, e.g. Segment.prompt(ids).extend(sampled_ids, logprobs, version)")
+    if (bad := ~act & (lp != 0)).any():
+        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at position {_first(bad)}, a non-action token "
+                         f"({int(bad.sum())} such tokens): behaviour logprobs belong to action tokens; use 0.0 "
+                         "elsewhere or mark the token in action_mask")
+    if (bad := act & ~lp.isfinite()).any():
+        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a sampled "
+                         "token needs a finite logprob under the distribution it was sampled from (process_logits)")
+    if (bad := act & (lp > 0)).any():
+        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a logprob "
+                         "is log(p) <= 0; pass the engine's logprob of the sampled token, not a logit or a probability")
+    if (bad := act & (vs < 0)).any():
+        raise ValueError(f"Segment.versions is {int(vs[_first(bad)])} at action position {_first(bad)} "
+                         f"({int(bad.sum())} action tokens without a version): every sampled token needs the policy "
+                         "version (>= 0) that produced it")
 
 # %% ../nbs/00_core.ipynb #2e905f7c
 @patch(as_prop=True)
@@ -176,7 +213,7 @@ def prompt(cls:Segment, token_ids, # (T,) prompt ids
            vocab_size:int|None=None, # when given, ids must be < vocab_size
           ) -> Segment:
     "A segment of prompt tokens only (nothing sampled yet)"
-    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    ids = _as(token_ids, torch.int64, 'Segment.token_ids')
     fields = (ids, torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids, dtype=torch.float32), torch.full_like(ids, -1, dtype=torch.int32))
     if ids.ndim != 1 or not len(ids) or bool(_bad_ids(ids, vocab_size).any()): return cls(*fields, vocab_size=vocab_size) # raises, saying what is wrong
     return _trusted(*fields, None, None, vocab_size)
@@ -185,7 +222,8 @@ def _bad_ids(ids:Tensor, vocab_size:int|None) -> Tensor:
     return (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
 
 def _trusted(token_ids, action_mask, logprobs, versions, routes, images, vocab_size) -> Segment:
-    "A Segment from fields already known to be valid, without checking them again (segments are built for every turn)"
+    "A Segment from fields known to be valid, not checked again (segments are built for every turn)"
+    # only `prompt` (no actions) and `extend` (appends after at least one token) call it: token 0 is never an action
     s = object.__new__(Segment)
     s.token_ids, s.action_mask, s.logprobs, s.versions, s.routes, s.images, s.vocab_size = token_ids, action_mask, logprobs, versions, routes, images, vocab_size
     return s
@@ -193,7 +231,7 @@ def _trusted(token_ids, action_mask, logprobs, versions, routes, images, vocab_s
 def _appended(value, n:int, dtype, fill, name:str, device) -> Tensor:
     "`value` for `n` appended tokens: `fill` when None, a scalar repeated, or one entry per token"
     if value is None: return torch.full((n,), fill, dtype=dtype, device=device)
-    v = torch.as_tensor(value, dtype=dtype, device=device)
+    v = _as(value, dtype, f"Segment.extend {name}", device)
     v = v.expand(n) if v.ndim == 0 else v
     if v.shape != (n,): raise ValueError(f"Segment.extend got {name} of shape {tuple(v.shape)} for {n} new tokens: give one per appended token")
     return v
@@ -202,7 +240,7 @@ def _appended(value, n:int, dtype, fill, name:str, device) -> Tensor:
 def _joined_routes(old:Tensor|None, new, n_old:int, n:int, device) -> Tensor|None:
     "Routes of a segment's `n_old` tokens then `n` new ones, -1 on whichever side has none"
     if old is None and new is None: return None
-    new = None if new is None else torch.as_tensor(new, dtype=torch.int16, device=device)
+    new = None if new is None else _as(new, torch.int16, 'Segment.extend routes', device)
     shape = (old if old is not None else new).shape[1:]
     if new is None: new = torch.full((n, *shape), -1, dtype=torch.int16, device=device)
     if old is not None and old.shape[1:] != new.shape[1:]: raise ValueError(f"Segment.extend got routes of (layers, top_k) {tuple(new.shape[1:])} but the segment has {tuple(old.shape[1:])}: all routes of a segment come from one model")
@@ -218,14 +256,14 @@ def extend(self:Segment, token_ids, # (n,) ids to append
     "A new segment with `token_ids` appended: sampled tokens when logprobs and versions are given, observations when neither"
     if (logprobs is None) != (versions is None): raise ValueError(f"Segment.extend got {'logprobs' if versions is None else 'versions'} without {'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation tokens")
     dev = self.token_ids.device
-    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=dev).reshape(-1)
+    ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
     n, sampled = len(ids), logprobs is not None
     lp, vs = _appended(logprobs, n, torch.float32, 0., 'logprobs', dev), _appended(versions, n, torch.int32, -1, 'versions', dev)
-    new_routes = None if routes is None else torch.as_tensor(routes, dtype=torch.int16, device=dev)
+    new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
     fields = (torch.cat([self.token_ids, ids]), torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
               torch.cat([self.logprobs, lp]), torch.cat([self.versions, vs]), _joined_routes(self.routes, new_routes, len(self), n, dev), self.images, self.vocab_size)
     # `self` was checked when it was built: only the appended tokens need checking (the constructor explains a failure)
-    bad = _bad_ids(ids, self.vocab_size) | ((~lp.isfinite() | (vs < 0)) if sampled else (lp != 0))
+    bad = _bad_ids(ids, self.vocab_size) | ((_bad_logprob(lp) | (vs < 0)) if sampled else (lp != 0))
     if bool(bad.any()) or (new_routes is not None and bool((new_routes < -1).any())): return Segment(*fields)
     return _trusted(*fields)
 
@@ -257,7 +295,7 @@ class Trajectory:
     score:float|None=None # for filtering; defaults to the reward
     info:dict=field(default_factory=dict) # extra per-rollout values to log
     truncated:bool=False # the rollout hit a length or turn limit
-    error:str|None=None # why the rollout failed, if it did
+    error:str|None=None # why the rollout failed, if it did; a failed rollout is never trained on
 
     def __post_init__(self):
         self.reward = _number(self.reward, 'Trajectory.reward')
@@ -332,12 +370,13 @@ def _collate_routes(segments:list) -> Tensor|None:
     return _pad([s.routes if s.routes is not None else torch.full((len(s), *shape), -1, dtype=torch.int16, device=s.token_ids.device) for s in segments], -1)
 
 # %% ../nbs/00_core.ipynb #f28da161
-def collate(trajectories:list, # Trajectories; failed ones without segments are skipped
+def collate(trajectories:list, # Trajectories; failed ones (`error` set) are skipped
             vocab_size:int|None=None, # when given, every token id must be < vocab_size
            ) -> Batch:
     "Every segment of every trajectory as one right-padded row on the dense next-token axis"
-    rows = [(tr, i, s) for tr in trajectories for i, s in enumerate(tr.segments)]
-    if not rows: raise ValueError(f"collate got {len(trajectories)} trajectories with no segments: pass at least one trajectory that has a Segment (failed rollouts have none)")
+    rows = [(tr, i, s) for tr in trajectories if tr.error is None for i, s in enumerate(tr.segments)]
+    if not rows: raise ValueError(f"collate got {len(trajectories)} trajectories and none to train on: pass at least "
+                                  "one trajectory that has a Segment and no error (failed rollouts are skipped)")
     if vocab_size is not None:
         for tr, i, s in rows: _check_token_ids(s.token_ids, vocab_size, f"rollout {tr.rollout_id!r} segment {i}: Segment.token_ids")
     trs, segment_index, segs = zip(*rows)
@@ -375,3 +414,21 @@ def select(self:Batch, idx, # row indices: an int, a list, a slice, or a (B,) bo
 def to(self:Batch, device) -> Batch:
     "The batch with every tensor on `device`"
     return Batch(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v for f in dataclasses.fields(self)})
+
+# %% ../nbs/00_core.ipynb #2bb74fbf
+def _qualified(fn) -> str: return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+def _same_function(a, b) -> bool:
+    "True when `b` is `a`, or `a` defined again: the same module and qualified name (a notebook cell run twice)"
+    return a is b or (hasattr(a, '__qualname__') and _qualified(a) == _qualified(b))
+
+def check_registration(kind:str, # what the registry holds, for the message: 'estimator', 'policy loss', ...
+                       name:str, # the name being registered
+                       old, # the function registered as `name` now; None when the name is free
+                       new, # the function being registered
+                       replace:bool=False, # replace a different function on purpose (a hot swap)
+                      ):
+    "Raise if `name` already names a function other than `new` (or `new` defined again), unless `replace`"
+    if old is None or replace or _same_function(old, new): return
+    raise ValueError(f"{kind} {name!r} is already registered to {_qualified(old)}: pass replace=True to replace it "
+                     f"with {_qualified(new)} (a hot swap), or register yours under another name")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 import torch
 from torch import Tensor
-from .core import Batch
+from .core import Batch, check_registration
 from .golden import golden_case
 
 # %% ../nbs/07_estimators.ipynb #03ad8657
@@ -108,9 +108,16 @@ class Estimator:
 
 ESTIMATORS = {} # name -> Estimator
 
-def estimator(name:str, whiten:bool=False, needs:tuple=(), grouped:bool=False):
-    "Register `fn(x: AdvantageInput) -> (B, T) advantages` as the estimator `name` (re-registering replaces it)"
+def estimator(name:str, # the name a run's `algo.estimator` selects it by
+              whiten:bool=False, # as `Estimator.whiten`
+              needs:tuple=(), # as `Estimator.needs`
+              grouped:bool=False, # as `Estimator.grouped`
+              replace:bool=False, # replace a different function registered as `name` (a hot swap)
+             ):
+    "Register `fn(x: AdvantageInput) -> (B, T) advantages` as the estimator `name`"
     def register(fn):
+        old = ESTIMATORS.get(name)
+        check_registration('estimator', name, None if old is None else old.fn, fn, replace)
         ESTIMATORS[name] = Estimator(fn, whiten, tuple(needs), grouped)
         return fn
     return register

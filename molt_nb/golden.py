@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import Tensor
-from .core import Segment, Trajectory, Batch, collate
+from .core import Segment, Trajectory, Batch, collate, check_registration
 
 # %% ../nbs/06_golden.ipynb #2fc17c95
 GOLDEN_VERSION = 5 # the trainer's policy version when the golden batch is trained on
@@ -167,9 +167,12 @@ def golden_diff(name:str, # the outputs' name, e.g. 'grpo' or 'ppo'
 GOLDEN_CASES = {} # name -> function(Golden) -> dict of outputs
 GOLDEN_MODULES = ('molt_nb.estimators', 'molt_nb.losses') # modules whose import registers the built-in cases
 
-def golden_case(name:str):
+def golden_case(name:str, # the case's name, e.g. 'adv/grpo'
+                replace:bool=False, # replace a different function registered as `name`
+               ):
     "Register `fn(golden) -> outputs` as the golden case `name`"
     def register(fn):
+        check_registration('golden case', name, GOLDEN_CASES.get(name), fn, replace)
         GOLDEN_CASES[name] = fn
         return fn
     return register

@@ -4,15 +4,16 @@
 
 # %% auto #0
 __all__ = ['KL_ESTIMATORS', 'IS_LEVELS', 'IS_MODES', 'POLICY_LOSSES', 'AGGREGATIONS', 'kl_estimate', 'FixedKL', 'AdaptiveKL',
-           'ISConfig', 'ISResult', 'is_correction', 'policy_loss', 'get_policy_loss', 'LossConfig', 'ppo_loss',
-           'gspo_loss', 'cispo_loss', 'loss_denominator', 'aggregate', 'compute_loss', 'group_filter']
+           'ISConfig', 'ISResult', 'is_correction', 'policy_loss', 'get_policy_loss', 'LossConfig', 'ppo_clipped',
+           'ppo_loss', 'gspo_clipped', 'gspo_loss', 'cispo_clipped', 'cispo_loss', 'loss_denominator', 'aggregate',
+           'compute_loss', 'group_drop_reason', 'group_filter']
 
 # %% ../nbs/08_losses.ipynb #cabfe976
 import dataclasses, math
 from dataclasses import dataclass
 import torch
 from torch import Tensor
-from .core import Batch
+from .core import Batch, check_registration
 from .golden import golden_case
 
 # %% ../nbs/08_losses.ipynb #9c9abad5
@@ -154,9 +155,14 @@ def is_correction(logp:Tensor, # (B, T) the trainer's logprobs at the current we
 # %% ../nbs/08_losses.ipynb #7eda0ee6
 POLICY_LOSSES = {} # name -> fn(logp, old_logp, adv, mask, cfg) -> (B, T) per-token loss
 
-def policy_loss(name:str):
-    "Register `fn(logp, old_logp, adv, mask, cfg) -> (B, T) loss` as the policy loss `name`"
+def policy_loss(name:str, # the name `LossConfig.policy_loss` selects it by
+                clipped=None, # fn(logp, old_logp, adv, mask, cfg) -> (B, T) bool, the tokens its clip changes
+                replace:bool=False, # replace a different function registered as `name` (a hot swap)
+               ):
+    "Register `fn(logp, old_logp, adv, mask, cfg) -> (B, T) loss` as the policy loss `name`, with its clip rule"
     def register(fn):
+        check_registration('policy loss', name, POLICY_LOSSES.get(name), fn, replace)
+        if clipped is not None: fn.clipped = clipped
         POLICY_LOSSES[name] = fn
         return fn
     return register
@@ -208,13 +214,26 @@ def _log_ratio(logp:Tensor, old_logp:Tensor, mask:Tensor) -> Tensor:
     "(B, T) clamp(nan_to_num(logp − old), ±30) on the mask, 0 off it"
     return torch.where(mask, torch.nan_to_num(logp - old_logp).clamp(-30, 30), 0.)
 
-def _clean_adv(adv:Tensor, mask:Tensor) -> Tensor: return torch.where(mask, torch.nan_to_num(adv), 0.)
+def _clean_adv(adv:Tensor, mask:Tensor) -> Tensor:
+    "(B, T) `adv` on the mask, 0 off it and where it is NaN or ±inf"
+    return torch.where(mask & adv.isfinite(), adv, 0.)
 
 def _clipped_surrogate(ratio:Tensor, adv:Tensor, cfg:LossConfig) -> Tensor:
     "(B, T) −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)"
     return -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
 
-@policy_loss('ppo')
+def _clip_binds(ratio:Tensor, adv:Tensor, mask:Tensor, cfg:LossConfig) -> Tensor:
+    "(B, T) bool: the ratio left the band in the direction A pushes it, so `_clipped_surrogate` has no gradient"
+    return mask & (((adv > 0) & (ratio > 1 + cfg.eps_high)) | ((adv < 0) & (ratio < 1 - cfg.eps_low)))
+
+def ppo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
+    "(B, T) bool: the tokens whose gradient PPO's clip or dual clip sets to 0 (arguments as for `ppo_loss`)"
+    ratio = _log_ratio(logp, old_logp, mask).exp()
+    out = _clip_binds(ratio, adv, mask, cfg)
+    if cfg.dual_clip is None: return out
+    return out | (mask & (adv < 0) & (ratio > cfg.dual_clip))
+
+@policy_loss('ppo', clipped=ppo_clipped)
 def ppo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
              old_logp:Tensor, # (B, T) logprobs before this update, detached
              adv:Tensor, # (B, T) per-token advantages
@@ -228,7 +247,15 @@ def ppo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradien
     return torch.where(mask, loss, 0.)
 
 # %% ../nbs/08_losses.ipynb #f9b5cb32
-@policy_loss('gspo')
+def _seq_log_ratio(logp:Tensor, old_logp:Tensor, mask:Tensor) -> Tensor:
+    "(B, 1) log s: the mean (clamped) log-ratio over each row's masked tokens"
+    return _log_ratio(logp, old_logp, mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
+def gspo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
+    "(B, T) bool: tokens whose row ratio s is clipped, so their gradient is 0 (arguments as for `gspo_loss`)"
+    return _clip_binds(_seq_log_ratio(logp, old_logp, mask).exp().expand_as(adv), adv, mask, cfg)
+
+@policy_loss('gspo', clipped=gspo_clipped)
 def gspo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
               old_logp:Tensor, # (B, T) logprobs before this update, detached
               adv:Tensor, # (B, T) per-token advantages
@@ -236,13 +263,18 @@ def gspo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradie
               cfg:LossConfig, # eps_low, eps_high
              ) -> Tensor: # (B, T) per-token loss, 0 off the mask
     "GSPO-token: PPO's clip on one length-normalised ratio per row, each token keeping its own gradient"
-    log_s = _log_ratio(logp, old_logp, mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    log_s = _seq_log_ratio(logp, old_logp, mask)
     lp = torch.where(mask, torch.nan_to_num(logp), 0.)
     ratio = torch.exp(lp - lp.detach() + log_s.detach())
     return torch.where(mask, _clipped_surrogate(ratio, _clean_adv(adv, mask), cfg), 0.)
 
 # %% ../nbs/08_losses.ipynb #9a190251
-@policy_loss('cispo')
+def cispo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
+    "(B, T) bool: the tokens whose IS weight CISPO caps, whatever the sign of A (arguments as for `cispo_loss`)"
+    ratio = _log_ratio(logp, old_logp, mask).exp()
+    return mask & ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high))
+
+@policy_loss('cispo', clipped=cispo_clipped)
 def cispo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
                old_logp:Tensor, # (B, T) logprobs before this update, detached
                adv:Tensor, # (B, T) per-token advantages
@@ -282,11 +314,13 @@ def _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef):
     _check_positive('compute_loss kl_coef', kl_coef, allow_zero=True)
     if kl_coef > 0 and logp_ref is None: raise ValueError(f"the KL term is on (kl_coef={kl_coef}) but no logp_ref was given: pass the reference model's logprobs or set kl_coef=0")
 
-def _ratio_metrics(logp:Tensor, old_logp:Tensor, adv:Tensor, keep:Tensor, cfg:LossConfig) -> dict:
-    "Fraction of kept tokens where the clip binds, and the mean ratio π_θ/π_old"
-    ratio, adv = _log_ratio(logp.detach(), old_logp, keep).exp(), _clean_adv(adv, keep)
-    clipped = keep & (((adv > 0) & (ratio > 1 + cfg.eps_high)) | ((adv < 0) & (ratio < 1 - cfg.eps_low)))
-    return dict(clip_fraction=_frac(clipped.sum(), keep.sum()), ratio_mean=_mean(ratio, keep))
+def _ratio_metrics(loss_fn, logp:Tensor, old_logp:Tensor, adv:Tensor, keep:Tensor, cfg:LossConfig) -> dict:
+    "The fraction of kept tokens the loss's own rule clips (if it has one) and the mean ratio π_θ/π_old"
+    logp, rule, out = logp.detach(), getattr(loss_fn, 'clipped', None), {}
+    if rule is not None:
+        clipped = keep & rule(logp, old_logp, adv, keep, cfg)
+        out['clip_fraction'] = _frac(clipped.sum(), keep.sum())
+    return out | dict(ratio_mean=_mean(_log_ratio(logp, old_logp, keep).exp(), keep))
 
 # %% ../nbs/08_losses.ipynb #5a25cee4
 def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
@@ -304,16 +338,31 @@ def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gra
     _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef)
     mask, old_logp = batch.action_mask, old_logp.detach()
     correction = is_correction(old_logp, batch.logprobs, mask, cfg.is_correction, batch.versions, version)
-    pg = get_policy_loss(cfg.policy_loss)(logp, old_logp, adv, correction.keep, cfg) * correction.coef
+    loss_fn, clean = get_policy_loss(cfg.policy_loss), _clean_adv(adv, mask)
+    pg = loss_fn(logp, old_logp, clean, correction.keep, cfg) * correction.coef
     total, metrics = pg, {}
     if kl_coef > 0:
         kl = torch.where(mask, kl_estimate(logp, logp_ref, cfg.kl_estimator), 0.)
         total, metrics['kl_loss'] = pg + kl_coef * kl, _mean(kl.detach(), mask)
     loss = aggregate(total, mask, cfg, denominator)
-    metrics = dict(loss=float(loss.detach()), pg_loss=_mean(pg.detach(), correction.keep), **metrics)
-    return loss, metrics | _ratio_metrics(logp, old_logp, adv, correction.keep, cfg) | correction.metrics, correction
+    metrics = dict(loss=float(loss.detach()), pg_loss=_mean(pg.detach(), correction.keep), **metrics,
+                   adv_nonfinite=_frac((mask & ~adv.isfinite()).sum(), mask.sum()))
+    metrics |= _ratio_metrics(loss_fn, logp, old_logp, clean, correction.keep, cfg)
+    return loss, metrics | correction.metrics, correction
 
 # %% ../nbs/08_losses.ipynb #d330ec9f
+def group_drop_reason(scores:list, # the score of each rollout of the group
+                      low:float, # a group is kept if its mean score is > low ...
+                      high:float, # ... and < high
+                      group_size:int, # rollouts a complete group has
+                     ) -> str|None: # 'incomplete', 'all_pass' or 'all_fail'; None keeps the group
+    "DAPO's keep rule for one group: why it is dropped, or None to keep it"
+    if len(scores) != group_size: return 'incomplete'
+    mean = sum(scores) / len(scores)
+    if mean >= high: return 'all_pass'
+    if mean <= low: return 'all_fail'
+    return None
+
 def group_filter(scores:Tensor, # (B,) score of each row's rollout
                  rollout_ids:list, # (B,) rollout id of each row; rows of one rollout count once
                  group_ids:list, # (B,) group id of each row
@@ -329,11 +378,9 @@ def group_filter(scores:Tensor, # (B,) score of each row's rollout
     for s, r, gid in zip(scores.tolist(), rollout_ids, group_ids): groups.setdefault(gid, {}).setdefault(r, s)
     counts, kept = dict(incomplete=0, all_pass=0, all_fail=0), set()
     for gid, rollouts in groups.items():
-        mean = sum(rollouts.values()) / len(rollouts)
-        if len(rollouts) != group_size: counts['incomplete'] += 1
-        elif mean >= high: counts['all_pass'] += 1
-        elif mean <= low: counts['all_fail'] += 1
-        else: kept.add(gid)
+        why = group_drop_reason(list(rollouts.values()), low, high, group_size)
+        if why is None: kept.add(gid)
+        else: counts[why] += 1
     keep = torch.tensor([gid in kept for gid in group_ids], dtype=torch.bool, device=scores.device)
     metrics = dict(groups=float(len(groups)), kept_groups=float(len(kept)), pass_rate=_frac(len(kept), len(groups)))
     return keep, metrics | {k: float(v) for k, v in counts.items()}
