@@ -8,7 +8,7 @@ __all__ = ['NAMESPACE', 'SWAP_KINDS', 'LIVE_FIELDS', 'CHECK_SECONDS', 'SwapRejec
            'auth_token_source', 'connect', 'Run', 'launch', 'attach', 'runs']
 
 # %% ../nbs/15_controller.ipynb #58af85cf
-import asyncio, inspect, os, time, traceback
+import asyncio, base64, inspect, json, os, time, traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 import cloudpickle
@@ -19,7 +19,7 @@ from .core import collate
 from .golden import golden, _trajectories
 from .estimators import ESTIMATORS, Estimator, compute_advantages, golden_input
 from .losses import POLICY_LOSSES, compute_loss
-from .actor import lr_factor
+from .actor import latest_checkpoint, lr_factor
 from .config import RunConfig, _SECTIONS, _build, check, load_config
 from .loop import Trainer, Orchestrator, start_ray
 
@@ -113,17 +113,21 @@ def updated_config(cfg:RunConfig, fields:dict) -> RunConfig:
     except ValueError as e: raise SwapRejected(f"{e}; the run keeps its config") from None
 
 # %% ../nbs/15_controller.ipynb #4b3cf1a1
-def install(actor, swap:Swap):
-    "Make `swap` the policy actor's estimator, loss or algo/optim config"
+def _registered(swap:Swap, algo):
+    "`algo` naming the estimator or loss of `swap`, which is registered in this process under `swap/<name>`"
+    name = f"swap/{swap.name}"
     if swap.kind == 'estimator':
         fn, whiten = cloudpickle.loads(swap.payload)
-        ESTIMATORS[f"swap/{swap.name}"] = Estimator(fn, whiten)
-        actor.algo = replace(actor.algo, estimator=f"swap/{swap.name}")
-    elif swap.kind == 'loss':
-        POLICY_LOSSES[f"swap/{swap.name}"] = cloudpickle.loads(swap.payload)
-        actor.algo = replace(actor.algo, loss=replace(actor.algo.loss, policy_loss=f"swap/{swap.name}"))
+        ESTIMATORS[name] = Estimator(fn, whiten)
+        return replace(algo, estimator=name)
+    POLICY_LOSSES[name] = cloudpickle.loads(swap.payload)
+    return replace(algo, loss=replace(algo.loss, policy_loss=name))
+
+def install(actor, swap:Swap):
+    "Make `swap` the policy actor's estimator, loss or algo/optim config"
+    if swap.kind in ('estimator', 'loss'): actor.algo = _registered(swap, actor.algo)
     elif swap.kind == 'config':
-        actor.algo, actor.optim = cloudpickle.loads(swap.payload)
+        actor.algo, actor.optim, _ = cloudpickle.loads(swap.payload)
         for g in actor.opt.param_groups: g['initial_lr'] = actor.optim.lr; g['lr'] = actor.optim.lr * lr_factor(actor.scheduler.last_epoch, actor.optim)
         actor.scheduler.base_lrs = [actor.optim.lr] * len(actor.opt.param_groups)
     else: raise ValueError(f"the trainer cannot install a {swap.kind!r} swap")
@@ -150,6 +154,7 @@ class RunOrchestrator(Orchestrator):
         self.name, self.state, self.error, self.task = name, 'created', None, None
         self.pause_after, self.stop_requested, self.resumed = None, False, asyncio.Event()
         self.queued, self.swaps, self.reward_fn, self.checkpoints, self._pool = [], [], None, [], None
+        self.restored = [] # on a resume: the swaps in effect at the checkpoint, for the fresh trainer
         self.resumed.set()
 
     async def start(self) -> dict:
@@ -215,6 +220,8 @@ async def _train_at_boundary(self:RunOrchestrator, work:dict) -> dict:
     while self.checkpoints: await self._checkpoint_now(work, self.checkpoints.pop(0))
     swaps, self.queued = self.queued, []
     for s in swaps: s.step = step
+    # the swaps a resume restored reach the fresh trainer with the first step; its metrics row names them
+    swaps, self.restored = self.restored + swaps, []
     work['swaps'] = swaps
     if any(s.kind == 'reward' for s in swaps): self.reward_fn = cloudpickle.loads([s for s in swaps if s.kind == 'reward'][-1].payload)
     if self.reward_fn is not None: self._rescore(work)
@@ -234,8 +241,7 @@ async def _checkpoint_now(self:RunOrchestrator, work:dict, done):
     try:
         state = self._pool.state()
         state['pending'] = sorted(set(state['pending']) | {t.prompt_index for t in work['trajectories']})
-        path = await self._call('save', str(self.store.checkpoints), dict(step=self.step, pool=state))
-        self.store.flush(); done.set_result(path)
+        done.set_result(await self._save(state))
     except Exception as e: done.set_exception(e)
 
 @patch
@@ -256,18 +262,47 @@ async def swap(self:RunOrchestrator, s:Swap, whiten:bool=False) -> dict:
         try: out = await asyncio.wait_for(asyncio.to_thread(check), CHECK_SECONDS)
         except asyncio.TimeoutError: raise SwapRejected(f"{s.kind} {s.name!r} took over {CHECK_SECONDS} s on the golden batch; the run keeps its {s.kind}") from None
     except Exception as e: return dict(accepted=False, error=str(e) if isinstance(e, SwapRejected) else f"{type(e).__name__}: {e}")
-    if s.kind == 'estimator':
-        ESTIMATORS[f"swap/{s.name}"] = Estimator(fn, whiten)
-        s = replace(s, payload=cloudpickle.dumps((fn, whiten)))
-        self.cfg = replace(self.cfg, algo=replace(self.cfg.algo, estimator=f"swap/{s.name}"))
-    elif s.kind == 'loss':
-        POLICY_LOSSES[f"swap/{s.name}"] = fn
-        self.cfg = replace(self.cfg, algo=replace(self.cfg.algo, loss=replace(self.cfg.algo.loss, policy_loss=f"swap/{s.name}")))
+    if s.kind == 'estimator': s = replace(s, payload=cloudpickle.dumps((fn, whiten)))
     elif s.kind == 'config':
-        self.cfg = out
-        s = replace(s, payload=cloudpickle.dumps((out.algo, out.optim)))
-    self.queued.append(s); self.swaps.append(s)
+        s = replace(s, payload=cloudpickle.dumps((out.algo, out.optim, cloudpickle.loads(s.payload))))
+    self._take(s)
+    self.queued.append(s)
     return dict(accepted=True, error=None)
+
+@patch
+def _take(self:RunOrchestrator, s:Swap):
+    "Register `s`'s function in this process and change the config as `s` does (a new swap or a restored one)"
+    if s.kind in ('estimator', 'loss'): self.cfg = replace(self.cfg, algo=_registered(s, self.cfg.algo))
+    elif s.kind == 'config': self.cfg = updated_config(self.cfg, cloudpickle.loads(s.payload)[2])
+    self.swaps.append(s)
+
+# %% ../nbs/15_controller.ipynb #17c22c68
+def _record(s:Swap) -> dict: return asdict(s) | dict(payload=base64.b64encode(s.payload).decode())
+def _from_record(r:dict) -> Swap: return Swap(**r | dict(payload=base64.b64decode(r['payload'])))
+
+@patch
+async def _save(self:RunOrchestrator, pool_state:dict) -> str:
+    "Checkpoint the trainer with the step, the data position and the swaps; its path"
+    extra = dict(step=self.step, pool=pool_state, swaps=[_record(s) for s in self.swaps])
+    path = await self._call('save', str(self.store.checkpoints), extra)
+    self.store.flush()
+    return path
+
+@patch
+async def _checkpoint(self:RunOrchestrator, pool): await self._save(pool.state())
+
+@patch
+async def _start(self:RunOrchestrator) -> dict:
+    "Restore or begin the run, a resume with the swaps its checkpoint saved; the pool state to start from"
+    state = await Orchestrator._start(self)
+    if not self.resume: return state
+    extra = json.loads((latest_checkpoint(self.store.checkpoints)/'state.json').read_text())['extra']
+    for s in map(_from_record, extra.get('swaps', [])):
+        self._take(s)
+        # a swap still queued at the checkpoint (step None) is queued again: it takes effect at the first
+        # resumed step, the step it was accepted for, and that step's metrics row and the swap table show it
+        (self.queued if s.step is None else self.restored).append(s)
+    return state
 
 # %% ../nbs/15_controller.ipynb #631ea380
 @patch

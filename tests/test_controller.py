@@ -147,3 +147,60 @@ def test_ray_client_without_the_token_is_refused(ray_head):
     p = driver(f"from molt_nb.controller import connect\nconnect({address!r})", env)
     _, err = p.communicate(timeout=120)
     assert p.returncode != 0 and "needs the cluster's auth token" in err
+
+RESUME = '''
+import json, time
+from pathlib import Path
+import ray, torch
+from molt_nb.config import load_config
+from molt_nb.controller import NAMESPACE, connect, launch
+connect({address!r})
+cfg = load_config({recipe!r}, ['loop.steps=100000', 'loop.mode="async"', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
+
+def quarter(x):
+    return torch.full(x.action_mask.shape, 0.25)  # unmistakable: every trained token's advantage is 0.25
+def plus_ten(trajectory, text):
+    return trajectory.reward + 10
+
+def until(pred, what, timeout=300):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, f"{{what}} within {{timeout}} s"
+        time.sleep(0.5)
+
+def named():
+    return {{a['name'] for a in ray.util.list_named_actors(all_namespaces=True)}}
+
+run = launch(cfg, name='res')
+run.wait(until_step=1, timeout=300)
+run.set_estimator(quarter)
+run.set_reward(plus_ten)
+until(lambda: run.swaps().step.notna().all(), 'both swaps took effect')
+ckpt = json.loads((Path(run.checkpoint()) / 'state.json').read_text())['step']
+run.kill()  # orchestrator and trainer: their processes die with what they had registered
+until(lambda: not {{'res', 'res/trainer'}} & named(), 'the killed actors released their names')
+run = launch(cfg, name='res', resume=True)  # fresh actors, given the config the run was launched with (grpo)
+run.wait(until_step=ckpt + 2, timeout=300)
+m = run.metrics()
+m = m[m.step > ckpt]
+algo = ray.get(ray.get_actor('res/trainer', namespace=NAMESPACE).algo.remote())
+print(json.dumps(dict(ckpt=ckpt, steps=m.step.tolist(), adv_mean=m['train/adv_mean'].tolist(), reward=m.reward.tolist(),
+                      swapped=m.get('swap/estimator', m.step * 0).tolist(), rewarded=m.get('swap/reward', m.step * 0).tolist(),
+                      trainer=algo.estimator, config=run.config()['algo']['estimator'],
+                      swap_table=run.swaps()[['kind', 'name', 'step']].values.tolist())))
+run.kill()
+'''
+
+def test_resume_restores_hot_swaps(ray_head, tmp_path):
+    address, env, _ = ray_head
+    code = RESUME.format(address=address, recipe=str(PARITY), run_dir=tmp_path/'run')
+    out = result(driver(code, env), timeout=600)
+    steps, ckpt = out['steps'], out['ckpt']
+    assert steps[:2] == [ckpt + 1, ckpt + 2]
+    assert out['trainer'] == 'swap/quarter' and out['config'] == 'swap/quarter'
+    assert all(a == 0.25 for a in out['adv_mean'])  # the swapped estimator gave every resumed step's advantages
+    assert all(r >= 10 for r in out['reward'])  # and the swapped reward scored its rollouts
+    # the first resumed step records the swaps it installed again
+    assert out['swapped'][0] == 'quarter' and out['rewarded'][0] == 'plus_ten'
+    table = out['swap_table']  # each at the step it first took effect, before the checkpoint
+    assert [k[:2] for k in table] == [['estimator', 'quarter'], ['reward', 'plus_ten']] and all(k[2] <= ckpt for k in table)
