@@ -96,6 +96,19 @@ class _Request:
         try: self.loop.call_soon_threadsafe(done)
         except RuntimeError: pass # the caller's loop is closed: nobody is waiting, and the engine must live on
 
+# %% ../nbs/02_engine.ipynb #48bf6a47
+def _check_int(name:str, value, low:int|None, fix:str):
+    "Raise unless `value` is an int (not a bool) of at least `low` (None: any int)."
+    if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
+    raise ValueError(f"TorchEngine: {name}={value!r}, expected {'an int' if low is None else f'an int >= {low}'}: {fix}")
+
+def _check_args(max_batch, max_model_len, seed, threads):
+    "Raise on constructor arguments the engine cannot run with, before it touches the model."
+    _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
+    if max_model_len is not None: _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
+    _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
+    _check_int("seed", seed, None, "pass an int seed such as 0")
+
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
     "Continuous-batching engine over a transformers causal LM; a background thread owns the model."
@@ -107,6 +120,7 @@ class TorchEngine:
                  seed:int=0, # sampling RNG seed
                  version:int=0, # policy version stamped on sampled tokens
                  threads:int=1): # CPU threads of the engine thread's own forward (see below)
+        _check_args(max_batch, max_model_len, seed, threads)
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
