@@ -6,7 +6,7 @@
 __all__ = ['Generation', 'Engine', 'TorchEngine']
 
 # %% ../nbs/02_engine.ipynb #63a03957
-import asyncio, threading, time
+import asyncio, itertools, threading, time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
@@ -102,12 +102,19 @@ def _check_int(name:str, value, low:int|None, fix:str):
     if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
     raise ValueError(f"TorchEngine: {name}={value!r}, expected {'an int' if low is None else f'an int >= {low}'}: {fix}")
 
-def _check_args(max_batch, max_model_len, seed, threads):
+def _check_args(max_batch, max_model_len, seed, nonce, threads):
     "Raise on constructor arguments the engine cannot run with, before it touches the model."
     _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
     if max_model_len is not None: _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
     _check_int("seed", seed, None, "pass an int seed such as 0")
+    if nonce is not None: _check_int("nonce", nonce, None, "pass None (count the engines built in this process) or the engine's rank")
+
+_built = itertools.count() # engines built in this process: the default nonce
+
+def _key(seed:int, nonce:int, n:int) -> int:
+    "The sampling key of an engine's `n`-th request; nonce 0 gives the keys engines had before nonces."
+    return hash((seed, n) if nonce == 0 else (seed, nonce, n)) & 0xFFFFFFFF # int hashing is deterministic across processes
 
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
@@ -118,9 +125,12 @@ class TorchEngine:
                  max_batch:int=256, # most requests decoded at once
                  max_model_len:int|None=None, # context limit; default the model's max positions
                  seed:int=0, # sampling RNG seed
+                 nonce:int|None=None, # mixed into every sampling key; None: engines built in this process before (see below)
                  version:int=0, # policy version stamped on sampled tokens
                  threads:int=1): # CPU threads of the engine thread's own forward (see below)
-        _check_args(max_batch, max_model_len, seed, threads)
+        _check_args(max_batch, max_model_len, seed, nonce, threads)
+        built = next(_built)
+        self._nonce = built if nonce is None else nonce
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
@@ -161,7 +171,7 @@ async def generate(self:TorchEngine,
     req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
     with self._cv: # keys are allocated under the lock: callers on two threads never share one
         if self._closed: raise RuntimeError("generate: the engine is closed")
-        req.key = hash((self._seed, self._submitted)) & 0xFFFFFFFF # int hashing is deterministic across processes
+        req.key = _key(self._seed, self._nonce, self._submitted)
         self._submitted += 1
         self._pending.append(req); self._cv.notify()
     return await req.future
