@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
 from .core import SamplingParams, filters_off, process_logits
-from .decode import SlotCache, Qwen3Decoder, qwen3_decodable, cache_dims, prefill_inputs, counter_uniform, grow
+from .decode import SlotCache, Qwen3Decoder, qwen3_decodable, cache_dims, prefill_inputs, counter_uniform, grow, windowed_layers
 from .models import moe_gates, route_shape
 
 # %% ../nbs/02_engine.ipynb #3b173eda
@@ -102,8 +102,13 @@ def _check_int(name:str, value, low:int|None, fix:str):
     if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
     raise ValueError(f"TorchEngine: {name}={value!r}, expected {'an int' if low is None else f'an int >= {low}'}: {fix}")
 
-def _check_args(max_batch, max_model_len, seed, nonce, threads):
-    "Raise on constructor arguments the engine cannot run with, before it touches the model."
+def _check_args(model, max_batch, max_model_len, seed, nonce, threads):
+    "Raise on a model or constructor arguments the engine cannot run with, before it touches the model."
+    windowed, c = windowed_layers(model.config), model.config
+    if windowed: raise ValueError(f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
+                                  f"(sliding_window={getattr(c, 'sliding_window', None)}), but the engine's cache and attention "
+                                  "see the whole context, so its logprobs would be wrong: serve the model with full attention "
+                                  "only if it was trained so (use_sliding_window=False), else use an engine with window masks (vLLM)")
     _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
     if max_model_len is not None: _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
@@ -128,7 +133,7 @@ class TorchEngine:
                  nonce:int|None=None, # mixed into every sampling key; None: engines built in this process before (see below)
                  version:int=0, # policy version stamped on sampled tokens
                  threads:int=1): # CPU threads of the engine thread's own forward (see below)
-        _check_args(max_batch, max_model_len, seed, nonce, threads)
+        _check_args(model, max_batch, max_model_len, seed, nonce, threads)
         built = next(_built)
         self._nonce = built if nonce is None else nonce
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
