@@ -409,7 +409,9 @@ def _abort(self:TorchEngine):
         for req, gen in zip(self._reqs, self._results(list(range(len(self._reqs))), ["abort"] * len(self._reqs))): req.resolve(gen)
     with self._cv: pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
-    for req in pending: req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), None, "abort", len(req.prompt)))
+    for req in pending: # never prefilled: routes unknown (-1) on a MoE model
+        routes = torch.full((len(req.prompt), *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None
+        req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), routes, "abort", len(req.prompt)))
     self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #6f439c4b
