@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SlotCache', 'grow', 'decode_attention', 'fuse_linears', 'windowed_layers', 'qwen3_decodable', 'Qwen3Decoder',
-           'cache_dims', 'prefill_inputs', 'counter_uniform']
+           'cache_dims', 'prefill_inputs', 'counter_uniform', 'inverse_cdf']
 
 # %% ../nbs/02_decode.ipynb #f0afc0d3
 import math
@@ -225,7 +225,18 @@ def _hash32(x:torch.Tensor) -> torch.Tensor:
 
 def counter_uniform(key:torch.Tensor, # (S,) int64 per-request keys
                     step:torch.Tensor # (S,) int64 token index within the request
-                   ) -> torch.Tensor: # (S,) float32 in (0, 1)
+                   ) -> torch.Tensor: # (S,) float64 in (0, 1), 52 random bits
     "Uniforms that depend only on (key, step)."
-    x = _hash32(((key & _M32) * 0x27D4EB2D + (step & _M32) * 0x165667B1) & _M32)
-    return ((x >> 8).float() + 0.5) / 2**24
+    k, n = key & _M32, step & _M32 # multipliers below 2**30: every sum stays below 2**63
+    high = _hash32((k * 0x27D4EB2D + n * 0x165667B1) & _M32) >> 8 # 24 bits
+    low = _hash32((k * 0x1B873593 + n * 0x3C6EF372 + 0x9E3779B9) & _M32) >> 4 # 28 more
+    return (high * 2**29 + low * 2 + 1).double() / 2**53
+
+# %% ../nbs/02_decode.ipynb #d9c52afe
+def inverse_cdf(logp:torch.Tensor, # (S, V) log-probabilities
+                u:torch.Tensor, # (S, 1) float64 uniforms in (0, 1), e.g. from `counter_uniform`
+                out:torch.Tensor|None=None, # (S, V) float64 scratch for the running sum, reused across calls
+               ) -> torch.Tensor: # (S, 1) int64 ids; V where `u` rounds up past the last token
+    "The token whose interval of the float64 cumulative distribution holds `u`."
+    cdf = torch.exp(logp, out=torch.empty(logp.shape, dtype=torch.float64) if out is None else out).cumsum_(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)

@@ -12,7 +12,8 @@ from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
 from .core import SamplingParams, filters_off, process_logits
-from .decode import SlotCache, Qwen3Decoder, qwen3_decodable, cache_dims, prefill_inputs, counter_uniform, grow, windowed_layers
+from .decode import (SlotCache, Qwen3Decoder, qwen3_decodable, windowed_layers, cache_dims, prefill_inputs,
+                            counter_uniform, inverse_cdf, grow)
 from .models import moe_gates, route_shape
 
 # %% ../nbs/02_engine.ipynb #3b173eda
@@ -44,7 +45,7 @@ _FILL = dict(stop=-1, routes=-1) # padding of the running rows' tensors; everyth
 @dataclass
 class _Rows:
     "Per-request state of the rows being decoded."
-    uniform:torch.Tensor # (S, M) the uniform each sampled token will use (see `counter_uniform`)
+    uniform:torch.Tensor # (S, M) float64 uniform each sampled token will use (see `counter_uniform`)
     pos:torch.Tensor # (S,) position id of the next token to feed
     count:torch.Tensor # (S,) tokens sampled so far
     temperature:torch.Tensor # (S,)
@@ -149,6 +150,7 @@ class TorchEngine:
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
+        self._cdf = None # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
         self._thread.start()
 
@@ -354,14 +356,18 @@ def _decode(self:TorchEngine):
 
 # %% ../nbs/02_engine.ipynb #1e405ebb
 @patch
+def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
+    "An `(S, V)` float64 view of a buffer kept across steps (grown to the widest batch): no page faults per step."
+    if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V: self._cdf = torch.empty(S, V, dtype=torch.float64)
+    return self._cdf[:S]
+
+@patch
 def _sample(self:TorchEngine, logits, start:int=0):
     "Sample one token for rows `start:` from `logits` `(S - start, V)`; record it; finish rows that are done."
     r, rows, (filtered, greedy, stops) = self._rows, slice(start, None), self._flags
     t, c = r.temperature[rows], r.count[rows]
     logp = (process_logits(logits, t, r.top_k[rows], r.top_p[rows]) if filtered else process_logits(logits, t)).log_softmax(-1)
-    cdf = logp.exp().cumsum(-1)
-    u = r.uniform[rows].gather(1, c[:, None]) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u, right=True)
+    tok = inverse_cdf(logp, r.uniform[rows].gather(1, c[:, None]), self._scratch(*logp.shape))
     past_end = tok == logits.shape[-1] # u rounded up to the total: rare, so checked before paying for argmax
     if greedy or past_end.any(): tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
     r.tokens[rows].scatter_(1, c[:, None], tok)
