@@ -158,12 +158,19 @@ class TorchEngine:
 
 # %% ../nbs/02_engine.ipynb #c4dfafee
 @patch
+def _bindable(self:TorchEngine, sp:SamplingParams) -> SamplingParams:
+    "`sp` less what cannot bind at this vocabulary: a top_k >= vocab_size is off, a stop id >= vocab_size is never sampled."
+    stop = tuple(i for i in sp.stop_token_ids if i < self.vocab_size)
+    if sp.top_k < self.vocab_size and stop == sp.stop_token_ids: return sp
+    return sp.replace(top_k=sp.top_k if sp.top_k < self.vocab_size else -1, stop_token_ids=stop)
+
+@patch
 async def generate(self:TorchEngine,
                    token_ids, # (P,) prompt ids: list or tensor
                    sampling:SamplingParams|None=None,
                    session_id:str|None=None) -> Generation: # kept for the Engine protocol (router affinity)
     "Sample a continuation of `token_ids`."
-    sampling = sampling or SamplingParams()
+    sampling = self._bindable(sampling or SamplingParams())
     prompt = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     if len(prompt) == 0: raise ValueError("generate: token_ids is empty; pass at least one prompt token")
     low, high = (int(v) for v in torch.aminmax(prompt))
@@ -283,15 +290,31 @@ def _loop(self:TorchEngine):
             for command in commands: command()
             admit = self._take_pending()
             start = time.perf_counter()
-            try:
-                if admit: self._admit(admit)
-                if self._reqs and not self._paused: self._decode()
-            except Exception as e: # costs the requests in this batch, never the engine
-                for r in self._reqs + admit: r.resolve(error=e)
-                self._reqs, self._rows, self._cache = [], None, None
+            if admit: self._admit_or_split(admit)
+            if self._reqs and not self._paused: self._step()
             self.stats["busy_s"] += time.perf_counter() - start
             self._drained()
         self._abort()
+
+@patch
+def _admit_or_split(self:TorchEngine, reqs:list):
+    "Admit `reqs`; if that raises, admit them one by one, so the error reaches only the requests that raise it."
+    try: self._admit(reqs)
+    except Exception as e:
+        if len(reqs) == 1: return reqs[0].resolve(error=e)
+        for r in reqs: self._admit_or_split([r])
+
+@patch
+def _step(self:TorchEngine):
+    "One decode step; if it raises, every running row fails: they shared the forward, so the culprit is unknown."
+    try: self._decode()
+    except Exception as e: self._fail_running(e)
+
+@patch
+def _fail_running(self:TorchEngine, error:Exception):
+    "Resolve every running request with `error` and empty the batch."
+    for r in self._reqs: r.resolve(error=error)
+    self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #ef671fba
 @patch
@@ -327,34 +350,40 @@ def _new_rows(self:TorchEngine, reqs, pos):
 
 @patch
 def _admit(self:TorchEngine, reqs):
-    "Prefill `reqs`, join them to the running rows and sample their first token."
+    "Prefill `reqs`, sample their first token, join the rows that go on to the batch; raises before touching it."
     ids, pos, mask, cache = prefill_inputs([r.prompt for r in reqs], self.dims, self.dtype)
     logits = self._forward(ids, pos, mask, cache)
     if self._route_shape:
         routes = self._routes(*ids.shape)
         for r, row in zip(reqs, routes): r.routes = row[ids.shape[1] - len(r.prompt):]
     rows = self._new_rows(reqs, pos[:, -1] + 1)
-    headroom = int(rows.max_new.max())
-    if self._cache is None: self._cache, self._rows, self._reqs = cache, rows, list(reqs)
-    else:
-        self._cache = SlotCache.merge(self._cache, cache, headroom)
-        self._rows, self._reqs = self._rows.cat(rows), self._reqs + list(reqs)
-    self._cache.reserve(headroom)
-    self._flags = self._rows.flags(self.vocab_size)
+    finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
+    if len(keep) < len(reqs): rows, cache = rows.take(keep), cache.take(keep)
+    if len(keep): self._join([reqs[i] for i in keep.tolist()], rows, cache)
     self.stats["prefills"] += 1; self.stats["requests"] += len(reqs)
-    self._sample(logits, len(self._reqs) - len(reqs))
+    for req, gen in finished: req.resolve(gen)
+
+@patch
+def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
+    "Append admitted rows and their cache to the running batch; assigns nothing until all is built."
+    headroom = int(rows.max_new.max())
+    if self._cache is None: merged, joined = cache, rows
+    else: merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
+    merged.reserve(headroom)
+    self._cache, self._rows, self._reqs, self._flags = merged, joined, self._reqs + reqs, joined.flags(self.vocab_size)
 
 @patch
 def _decode(self:TorchEngine):
-    "Feed every row its last sampled token and sample the next."
+    "Feed every row its last sampled token, sample the next, finish the rows that are done."
     r, S = self._rows, len(self._reqs)
     self._cache.reserve(1)
     logits = self._forward(r.tokens.gather(1, (r.count - 1)[:, None]), r.pos[:, None], self._cache.decode_mask(self.dtype), self._cache)
     r.pos += 1
     if self._route_shape: r.routes[torch.arange(S), r.count - 1] = self._routes(S, 1)[:, 0]
-    self._sample(logits)
+    done, stopped = self._sample(logits, r, self._reqs, self._flags)
+    if done.any(): self._finish(done, stopped)
 
-# %% ../nbs/02_engine.ipynb #1e405ebb
+# %% ../nbs/02_engine.ipynb #2dba0abb
 @patch
 def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
     "An `(S, V)` float64 view of a buffer kept across steps (grown to the widest batch): no page faults per step."
@@ -362,57 +391,59 @@ def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
     return self._cdf[:S]
 
 @patch
-def _sample(self:TorchEngine, logits, start:int=0):
-    "Sample one token for rows `start:` from `logits` `(S - start, V)`; record it; finish rows that are done."
-    r, rows, (filtered, greedy, stops) = self._rows, slice(start, None), self._flags
-    t, c = r.temperature[rows], r.count[rows]
-    logp = (process_logits(logits, t, r.top_k[rows], r.top_p[rows]) if filtered else process_logits(logits, t)).log_softmax(-1)
-    tok = inverse_cdf(logp, r.uniform[rows].gather(1, c[:, None]), self._scratch(*logp.shape))
+def _sample(self:TorchEngine, logits, rows:_Rows, reqs:list, flags:tuple) -> tuple:
+    "Sample and record one token per row of `rows` from `logits` `(S, V)`; return the `(S,)` masks (done, stopped)."
+    (filtered, greedy, stops), t, c = flags, rows.temperature, rows.count
+    logp = (process_logits(logits, t, rows.top_k, rows.top_p) if filtered else process_logits(logits, t)).log_softmax(-1)
+    tok = inverse_cdf(logp, rows.uniform.gather(1, c[:, None]), self._scratch(*logp.shape))
     past_end = tok == logits.shape[-1] # u rounded up to the total: rare, so checked before paying for argmax
     if greedy or past_end.any(): tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
-    r.tokens[rows].scatter_(1, c[:, None], tok)
-    r.logprobs[rows].scatter_(1, c[:, None], logp.gather(-1, tok))
-    r.versions[rows].scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
+    rows.tokens.scatter_(1, c[:, None], tok)
+    rows.logprobs.scatter_(1, c[:, None], logp.gather(-1, tok))
+    rows.versions.scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
     c += 1
     self.stats["steps"] += 1; self.stats["tokens"] += len(t)
-    stopped = (tok == r.stop[rows]).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
-    done = stopped | (c >= r.max_new[rows])
-    if any(q.cancelled for q in self._reqs): done |= torch.tensor([q.cancelled for q in self._reqs[rows]])
-    if done.any(): self._finish(done.nonzero()[:, 0] + start, stopped[done])
+    stopped = (tok == rows.stop).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
+    done = stopped | (c >= rows.max_new)
+    if any(q.cancelled for q in reqs): done |= torch.tensor([q.cancelled for q in reqs])
+    return done, stopped
 
-# %% ../nbs/02_engine.ipynb #f3ce3827
+# %% ../nbs/02_engine.ipynb #54a978f0
 @patch
-def _results(self:TorchEngine, rows:list, reasons:list) -> list:
-    "The `Generation`s of running `rows` (one gather per field, then views per row)."
-    r, idx = self._rows, torch.tensor(rows, dtype=torch.long)
-    tokens, logprobs, versions = r.tokens[idx], r.logprobs[idx], r.versions[idx]
-    routes = r.routes[idx] if self._route_shape else None
+def _results(self:TorchEngine, rows:_Rows, reqs:list, idx:list, reasons:list) -> list:
+    "(request, Generation) of rows `idx` of `rows` (one gather per field, then views per row)."
+    i = torch.tensor(idx, dtype=torch.long)
+    tokens, logprobs, versions = rows.tokens[i], rows.logprobs[i], rows.versions[i]
+    routes = rows.routes[i] if self._route_shape else None
     out = []
-    for j, (i, n) in enumerate(zip(rows, r.count[idx].tolist())):
-        req = self._reqs[i]
-        out.append(Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n],
-                              torch.cat([req.routes, routes[j, :n]]) if routes is not None else None, reasons[j], len(req.prompt)))
+    for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
+        req = reqs[k]
+        out.append((req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n],
+                                    torch.cat([req.routes, routes[j, :n]]) if routes is not None else None, reasons[j], len(req.prompt))))
     return out
 
 @patch
-def _finish(self:TorchEngine, rows, stopped):
-    "Resolve finished `rows` and drop them from the batch."
-    rows = rows.tolist()
-    for i, gen in zip(rows, self._results(rows, ["stop" if s else "length" for s in stopped.tolist()])): self._reqs[i].resolve(gen)
-    keep = torch.ones(len(self._reqs), dtype=torch.bool)
-    keep[rows] = False
-    idx = keep.nonzero()[:, 0]
-    self._reqs = [self._reqs[i] for i in idx.tolist()]
+def _settle(self:TorchEngine, rows:_Rows, reqs:list, done, stopped) -> tuple:
+    "After a sampling step: (request, Generation) pairs of the `done` rows, and the indices of the rows that go on."
+    reasons = ["stop" if s else "length" for s in stopped[done].tolist()]
+    return self._results(rows, reqs, done.nonzero()[:, 0].tolist(), reasons), (~done).nonzero()[:, 0]
+
+@patch
+def _finish(self:TorchEngine, done, stopped):
+    "Resolve the running rows that are `done` and drop them from the batch."
+    finished, keep = self._settle(self._rows, self._reqs, done, stopped)
+    self._reqs = [self._reqs[i] for i in keep.tolist()]
     if self._reqs:
-        self._cache, self._rows = self._cache.take(idx), self._rows.take(idx)
+        self._cache, self._rows = self._cache.take(keep), self._rows.take(keep)
         self._flags = self._rows.flags(self.vocab_size)
     else: self._cache, self._rows = None, None
+    for req, gen in finished: req.resolve(gen)
 
 @patch
 def _abort(self:TorchEngine):
     "Finish every running and queued request now with reason 'abort' (partial tokens kept)."
-    if self._reqs:
-        for req, gen in zip(self._reqs, self._results(list(range(len(self._reqs))), ["abort"] * len(self._reqs))): req.resolve(gen)
+    running = self._results(self._rows, self._reqs, list(range(len(self._reqs))), ["abort"] * len(self._reqs)) if self._reqs else []
+    for req, gen in running: req.resolve(gen)
     with self._cv: pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
     for req in pending: # never prefilled: routes unknown (-1) on a MoE model
