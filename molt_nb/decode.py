@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SlotCache', 'grow', 'decode_attention', 'fuse_linears', 'windowed_layers', 'qwen3_decodable', 'Qwen3Decoder',
-           'cache_dims', 'prefill_inputs', 'counter_uniform', 'inverse_cdf']
+           'cache_dims', 'prefill_inputs', 'prefill_groups', 'counter_uniform', 'inverse_cdf']
 
 # %% ../nbs/02_decode.ipynb #f0afc0d3
 import math
@@ -214,6 +214,22 @@ def prefill_inputs(prompts:list, dims:tuple, dtype=torch.float32):
     cache.mask.masked_fill_(~valid, -math.inf)
     cache.start = P - valid.sum(-1)
     return ids, (valid.cumsum(-1) - 1).clamp_(min=0), mask, cache
+
+# %% ../nbs/02_decode.ipynb #50b7947c
+def _bucket(n:int) -> int:
+    "Power-of-two length bucket: 1..64, 65..128, 129..256, ..."
+    return max(n - 1, 63).bit_length()
+
+def prefill_groups(lengths:list, # tokens of each prompt
+                   budget:int=2**22, # most padded mask elements S*P*P in one prefill (one 2048-token prompt)
+                  ) -> list: # lists of indices into `lengths`, one per prefill, shortest prompts first
+    "Group prompts to prefill together: lengths in one power-of-two bucket, at most `budget` mask elements each."
+    groups = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        g, P = groups[-1] if groups else None, lengths[i]
+        if g and _bucket(lengths[g[0]]) == _bucket(P) and (len(g) + 1) * P * P <= budget: g.append(i)
+        else: groups.append([i])
+    return groups
 
 # %% ../nbs/02_decode.ipynb #578fe6ef
 _M32 = 0xFFFFFFFF

@@ -13,7 +13,7 @@ from fastcore.basics import patch
 import torch
 from .core import SamplingParams, filters_off, process_logits
 from .decode import (SlotCache, Qwen3Decoder, qwen3_decodable, windowed_layers, cache_dims, prefill_inputs,
-                            counter_uniform, inverse_cdf, grow)
+    prefill_groups, counter_uniform, inverse_cdf, grow)
 from .models import moe_gates, route_shape
 
 # %% ../nbs/02_engine.ipynb #3b173eda
@@ -103,7 +103,7 @@ def _check_int(name:str, value, low:int|None, fix:str):
     if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
     raise ValueError(f"TorchEngine: {name}={value!r}, expected {'an int' if low is None else f'an int >= {low}'}: {fix}")
 
-def _check_args(model, max_batch, max_model_len, seed, nonce, threads):
+def _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget):
     "Raise on a model or constructor arguments the engine cannot run with, before it touches the model."
     windowed, c = windowed_layers(model.config), model.config
     if windowed: raise ValueError(f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
@@ -113,6 +113,7 @@ def _check_args(model, max_batch, max_model_len, seed, nonce, threads):
     _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
     if max_model_len is not None: _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
+    _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (the default is 2**22)")
     _check_int("seed", seed, None, "pass an int seed such as 0")
     if nonce is not None: _check_int("nonce", nonce, None, "pass None (count the engines built in this process) or the engine's rank")
 
@@ -133,14 +134,16 @@ class TorchEngine:
                  seed:int=0, # sampling RNG seed
                  nonce:int|None=None, # mixed into every sampling key; None: engines built in this process before (see below)
                  version:int=0, # policy version stamped on sampled tokens
-                 threads:int=1): # CPU threads of the engine thread's own forward (see below)
-        _check_args(model, max_batch, max_model_len, seed, nonce, threads)
+                 threads:int=1, # CPU threads of the engine thread's own forward (see below)
+                 prefill_budget:int=2**22): # most padded mask elements S*P*P in one prefill (see `prefill_groups`)
+        _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
         built = next(_built)
         self._nonce = built if nonce is None else nonce
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
         self.vocab_size, self.version, self.max_batch, self.threads = model.config.vocab_size, version, max_batch, threads
+        self.prefill_budget = prefill_budget
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.stats = dict(steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0) # busy_s: seconds spent computing (idle = wall - busy)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
@@ -290,7 +293,8 @@ def _loop(self:TorchEngine):
             for command in commands: command()
             admit = self._take_pending()
             start = time.perf_counter()
-            if admit: self._admit_or_split(admit)
+            for group in prefill_groups([len(r.prompt) for r in admit], self.prefill_budget):
+                self._admit_or_split([admit[i] for i in group])
             if self._reqs and not self._paused: self._step()
             self.stats["busy_s"] += time.perf_counter() - start
             self._drained()
