@@ -23,7 +23,7 @@ class Generation:
     token_ids:torch.Tensor # (N,) int64 sampled ids
     logprobs:torch.Tensor # (N,) float32 behaviour logprob of each sampled id
     versions:torch.Tensor # (N,) int32 policy version that sampled each id
-    routes:torch.Tensor|None # (P+N, layers, top_k) int16 expert ids of prompt and sampled tokens, -1 unknown
+    routes:torch.Tensor|None # (P+N, layers, top_k) int16 expert ids, -1 unknown; re-routed by a weight load
     finish_reason:str # "stop" (a stop id), "length" (max_tokens or context), "abort" (pause(keep=False))
     prompt_len:int # P, tokens in the request's prompt
 
@@ -243,7 +243,7 @@ async def resume(self:TorchEngine):
 async def load_weights(self:TorchEngine,
                        named_tensors, # dict or iterable of (name, tensor), names as in the model's state_dict
                        version:int): # the policy version these weights are
-    "Copy weights in between two decode steps; later tokens carry `version`."
+    "Copy weights in between two decode steps, re-prefilling the running rows; later tokens carry `version`."
     items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
     for name, t in items:
         if name not in self._params:
@@ -255,6 +255,9 @@ async def load_weights(self:TorchEngine,
         with torch.no_grad():
             for name, t in items: self._params[name].copy_(t)
         self.version = version
+        if not self._reqs: return
+        try: self._refill()
+        except Exception as e: self._fail_running(e) # their cache is the old weights': they cannot go on
     await self._command(do)
 
 @patch
@@ -353,14 +356,19 @@ def _new_rows(self:TorchEngine, reqs, pos):
                  routes=torch.full((S, M, *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None)
 
 @patch
+def _prefill(self:TorchEngine, seqs:list) -> tuple:
+    "Prefill `seqs` as one left-padded batch: (last logits, cache, next positions, routes of each or None)."
+    ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype)
+    logits = self._forward(ids, pos, mask, cache)
+    if not self._route_shape: return logits, cache, pos[:, -1] + 1, None
+    return logits, cache, pos[:, -1] + 1, [row[ids.shape[1] - len(s):] for s, row in zip(seqs, self._routes(*ids.shape))]
+
+@patch
 def _admit(self:TorchEngine, reqs):
     "Prefill `reqs`, sample their first token, join the rows that go on to the batch; raises before touching it."
-    ids, pos, mask, cache = prefill_inputs([r.prompt for r in reqs], self.dims, self.dtype)
-    logits = self._forward(ids, pos, mask, cache)
-    if self._route_shape:
-        routes = self._routes(*ids.shape)
-        for r, row in zip(reqs, routes): r.routes = row[ids.shape[1] - len(r.prompt):]
-    rows = self._new_rows(reqs, pos[:, -1] + 1)
+    logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
+    for r, row in zip(reqs, routes or []): r.routes = row
+    rows = self._new_rows(reqs, pos)
     finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
     if len(keep) < len(reqs): rows, cache = rows.take(keep), cache.take(keep)
     if len(keep): self._join([reqs[i] for i in keep.tolist()], rows, cache)
@@ -375,6 +383,21 @@ def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
     else: merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
     merged.reserve(headroom)
     self._cache, self._rows, self._reqs, self._flags = merged, joined, self._reqs + reqs, joined.flags(self.vocab_size)
+
+@patch
+def _refill(self:TorchEngine):
+    "Recompute the running rows' cache and routes under the current weights, all tokens but each row's last."
+    r, reqs, order, cache = self._rows, self._reqs, [], None
+    seqs = [torch.cat([q.prompt, r.tokens[i, :n - 1]]) for i, q, n in zip(range(len(reqs)), reqs, r.count.tolist())]
+    for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
+        _, part, _, routes = self._prefill([seqs[i] for i in group])
+        for i, row in zip(group, routes or []):
+            P = len(reqs[i].prompt)
+            reqs[i].routes, r.routes[i, :len(row) - P] = row[:P], row[P:]
+        cache, order = part if cache is None else SlotCache.merge(cache, part), order + group
+    rows = r.take(torch.tensor(order))
+    cache.reserve(int((rows.max_new - rows.count).max()) + 1)
+    self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in order]
 
 @patch
 def _decode(self:TorchEngine):
