@@ -115,7 +115,7 @@ def fuse_linears(linears:list) -> torch.Tensor:
 
 # %% ../nbs/02_decode.ipynb #cce39c68
 def windowed_layers(config) -> list:
-    "Decoder-layer ids whose attention does not cover the whole context (sliding-window or other local attention)."
+    "Decoder-layer ids whose attention is local (a sliding window) rather than over the whole context."
     types = getattr(config, "layer_types", None)
     if types is not None: return [i for i, t in enumerate(types) if t != "full_attention"]
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -223,7 +223,7 @@ def _bucket(n:int) -> int:
 def prefill_groups(lengths:list, # tokens of each prompt
                    budget:int=2**22, # most padded mask elements S*P*P in one prefill (one 2048-token prompt)
                   ) -> list: # lists of indices into `lengths`, one per prefill, shortest prompts first
-    "Group prompts to prefill together: lengths in one power-of-two bucket, at most `budget` mask elements each."
+    "Group prompts to prefill together: similar lengths (one power-of-two bucket), at most `budget` each."
     groups = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
         g, P = groups[-1] if groups else None, lengths[i]
@@ -254,5 +254,6 @@ def inverse_cdf(logp:torch.Tensor, # (S, V) log-probabilities
                 out:torch.Tensor|None=None, # (S, V) float64 scratch for the running sum, reused across calls
                ) -> torch.Tensor: # (S, 1) int64 ids; V where `u` rounds up past the last token
     "The token whose interval of the float64 cumulative distribution holds `u`."
-    cdf = torch.exp(logp, out=torch.empty(logp.shape, dtype=torch.float64) if out is None else out).cumsum_(-1)
+    cdf = torch.empty(logp.shape, dtype=torch.float64) if out is None else out
+    torch.exp(logp, out=cdf).cumsum_(-1)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)

@@ -97,31 +97,35 @@ class _Request:
         try: self.loop.call_soon_threadsafe(done)
         except RuntimeError: pass # the caller's loop is closed: nobody is waiting, and the engine must live on
 
-# %% ../nbs/02_engine.ipynb #48bf6a47
+# %% ../nbs/02_engine.ipynb #be15b6d1
 def _check_int(name:str, value, low:int|None, fix:str):
     "Raise unless `value` is an int (not a bool) of at least `low` (None: any int)."
     if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
-    raise ValueError(f"TorchEngine: {name}={value!r}, expected {'an int' if low is None else f'an int >= {low}'}: {fix}")
+    expected = "an int" if low is None else f"an int >= {low}"
+    raise ValueError(f"TorchEngine: {name}={value!r}, expected {expected}: {fix}")
 
 def _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget):
     "Raise on a model or constructor arguments the engine cannot run with, before it touches the model."
-    windowed, c = windowed_layers(model.config), model.config
-    if windowed: raise ValueError(f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
-                                  f"(sliding_window={getattr(c, 'sliding_window', None)}), but the engine's cache and attention "
-                                  "see the whole context, so its logprobs would be wrong: serve the model with full attention "
-                                  "only if it was trained so (use_sliding_window=False), else use an engine with window masks (vLLM)")
+    windowed = windowed_layers(model.config)
+    if windowed: raise ValueError(
+        f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
+        f"(sliding_window={getattr(model.config, 'sliding_window', None)}), but the engine's cache and attention see "
+        "the whole context, so its logprobs would be wrong: serve the model with full attention only if it was "
+        "trained so (use_sliding_window=False), else use an engine with window masks (vLLM)")
     _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
-    if max_model_len is not None: _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
+    if max_model_len is not None:
+        _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
-    _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (the default is 2**22)")
+    _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (default 2**22)")
     _check_int("seed", seed, None, "pass an int seed such as 0")
-    if nonce is not None: _check_int("nonce", nonce, None, "pass None (count the engines built in this process) or the engine's rank")
+    if nonce is not None: _check_int("nonce", nonce, None, "pass None (engines built so far) or the engine's rank")
 
 _built = itertools.count() # engines built in this process: the default nonce
 
 def _key(seed:int, nonce:int, n:int) -> int:
     "The sampling key of an engine's `n`-th request; nonce 0 gives the keys engines had before nonces."
-    return hash((seed, n) if nonce == 0 else (seed, nonce, n)) & 0xFFFFFFFF # int hashing is deterministic across processes
+    # int hashing is deterministic across processes
+    return hash((seed, n) if nonce == 0 else (seed, nonce, n)) & 0xFFFFFFFF
 
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
@@ -132,10 +136,10 @@ class TorchEngine:
                  max_batch:int=256, # most requests decoded at once
                  max_model_len:int|None=None, # context limit; default the model's max positions
                  seed:int=0, # sampling RNG seed
-                 nonce:int|None=None, # mixed into every sampling key; None: engines built in this process before (see below)
+                 nonce:int|None=None, # mixed into sampling keys; default: engines built in this process so far
                  version:int=0, # policy version stamped on sampled tokens
                  threads:int=1, # CPU threads of the engine thread's own forward (see below)
-                 prefill_budget:int=2**22): # most padded mask elements S*P*P in one prefill (see `prefill_groups`)
+                 prefill_budget:int=2**22): # most padded mask elements S*P*P per prefill (`prefill_groups`)
         _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
         built = next(_built)
         self._nonce = built if nonce is None else nonce
@@ -162,7 +166,7 @@ class TorchEngine:
 # %% ../nbs/02_engine.ipynb #c4dfafee
 @patch
 def _bindable(self:TorchEngine, sp:SamplingParams) -> SamplingParams:
-    "`sp` less what cannot bind at this vocabulary: a top_k >= vocab_size is off, a stop id >= vocab_size is never sampled."
+    "`sp` less what cannot bind here: top_k >= vocab_size is off, stop ids >= vocab_size are never sampled."
     stop = tuple(i for i in sp.stop_token_ids if i < self.vocab_size)
     if sp.top_k < self.vocab_size and stop == sp.stop_token_ids: return sp
     return sp.replace(top_k=sp.top_k if sp.top_k < self.vocab_size else -1, stop_token_ids=stop)
@@ -305,7 +309,7 @@ def _loop(self:TorchEngine):
 
 @patch
 def _admit_or_split(self:TorchEngine, reqs:list):
-    "Admit `reqs`; if that raises, admit them one by one, so the error reaches only the requests that raise it."
+    "Admit `reqs`; if that raises, admit them one by one: the error reaches only the requests that raise it."
     try: self._admit(reqs)
     except Exception as e:
         if len(reqs) == 1: return reqs[0].resolve(error=e)
@@ -313,7 +317,7 @@ def _admit_or_split(self:TorchEngine, reqs:list):
 
 @patch
 def _step(self:TorchEngine):
-    "One decode step; if it raises, every running row fails: they shared the forward, so the culprit is unknown."
+    "One decode step; if it raises, all running rows fail (they shared the forward: no culprit to tell)."
     try: self._decode()
     except Exception as e: self._fail_running(e)
 
@@ -365,7 +369,7 @@ def _prefill(self:TorchEngine, seqs:list) -> tuple:
 
 @patch
 def _admit(self:TorchEngine, reqs):
-    "Prefill `reqs`, sample their first token, join the rows that go on to the batch; raises before touching it."
+    "Prefill `reqs`, sample a first token, join the rows that go on to the batch (untouched if this raises)."
     logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
     for r, row in zip(reqs, routes or []): r.routes = row
     rows = self._new_rows(reqs, pos)
@@ -382,7 +386,8 @@ def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
     if self._cache is None: merged, joined = cache, rows
     else: merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
     merged.reserve(headroom)
-    self._cache, self._rows, self._reqs, self._flags = merged, joined, self._reqs + reqs, joined.flags(self.vocab_size)
+    self._cache, self._rows, self._reqs = merged, joined, self._reqs + reqs
+    self._flags = joined.flags(self.vocab_size)
 
 @patch
 def _refill(self:TorchEngine):
@@ -413,13 +418,14 @@ def _decode(self:TorchEngine):
 # %% ../nbs/02_engine.ipynb #2dba0abb
 @patch
 def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
-    "An `(S, V)` float64 view of a buffer kept across steps (grown to the widest batch): no page faults per step."
-    if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V: self._cdf = torch.empty(S, V, dtype=torch.float64)
+    "An `(S, V)` float64 view of a buffer kept across steps and grown to the widest batch."
+    if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V:
+        self._cdf = torch.empty(S, V, dtype=torch.float64)
     return self._cdf[:S]
 
 @patch
 def _sample(self:TorchEngine, logits, rows:_Rows, reqs:list, flags:tuple) -> tuple:
-    "Sample and record one token per row of `rows` from `logits` `(S, V)`; return the `(S,)` masks (done, stopped)."
+    "Sample and record one token per row of `rows` from `logits` `(S, V)`; return `(S,)` masks done, stopped."
     (filtered, greedy, stops), t, c = flags, rows.temperature, rows.count
     logp = (process_logits(logits, t, rows.top_k, rows.top_p) if filtered else process_logits(logits, t)).log_softmax(-1)
     tok = inverse_cdf(logp, rows.uniform.gather(1, c[:, None]), self._scratch(*logp.shape))
@@ -445,13 +451,13 @@ def _results(self:TorchEngine, rows:_Rows, reqs:list, idx:list, reasons:list) ->
     out = []
     for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
         req = reqs[k]
-        out.append((req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n],
-                                    torch.cat([req.routes, routes[j, :n]]) if routes is not None else None, reasons[j], len(req.prompt))))
+        route = torch.cat([req.routes, routes[j, :n]]) if routes is not None else None
+        out.append((req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n], route, reasons[j], len(req.prompt))))
     return out
 
 @patch
 def _settle(self:TorchEngine, rows:_Rows, reqs:list, done, stopped) -> tuple:
-    "After a sampling step: (request, Generation) pairs of the `done` rows, and the indices of the rows that go on."
+    "The (request, Generation) pairs of the `done` rows, and the indices of the rows that go on."
     reasons = ["stop" if s else "length" for s in stopped[done].tolist()]
     return self._results(rows, reqs, done.nonzero()[:, 0].tolist(), reasons), (~done).nonzero()[:, 0]
 
@@ -469,13 +475,16 @@ def _finish(self:TorchEngine, done, stopped):
 @patch
 def _abort(self:TorchEngine):
     "Finish every running and queued request now with reason 'abort' (partial tokens kept)."
-    running = self._results(self._rows, self._reqs, list(range(len(self._reqs))), ["abort"] * len(self._reqs)) if self._reqs else []
-    for req, gen in running: req.resolve(gen)
+    if self._reqs:
+        n = len(self._reqs)
+        for req, gen in self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n): req.resolve(gen)
     with self._cv: pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
-    for req in pending: # never prefilled: routes unknown (-1) on a MoE model
-        routes = torch.full((len(req.prompt), *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None
-        req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), routes, "abort", len(req.prompt)))
+    shape = self._route_shape
+    for req in pending: # never prefilled: its routes are unknown (-1) on a MoE model
+        P = len(req.prompt)
+        routes = torch.full((P, *shape), -1, dtype=torch.int16) if shape else None
+        req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), routes, "abort", P))
     self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #6f439c4b

@@ -128,7 +128,7 @@ def test_close_finishes_queued_requests_as_aborted():
 
 
 def test_a_failing_admit_fails_only_its_request():
-    "A prefill that raises for one prompt: that request gets the error; running rows and its batch-mates finish."
+    "A prefill that raises for one prompt fails that request only; running rows and its batch-mates finish."
     engine = TorchEngine(tiny_dense(), seed=0)
     bad, real, prefills = [7, 7, 7, 7, 7], engine._forward, []
 
@@ -139,10 +139,11 @@ def test_a_failing_admit_fails_only_its_request():
     engine._forward = forward
 
     async def go():
-        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=40))) for i in range(3)]
+        long, short = SamplingParams(max_tokens=40), SamplingParams(max_tokens=10)
+        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(3)]
         while engine.stats["tokens"] < 6: await asyncio.sleep(0.001)
         await engine.pause() # queue three requests while paused, so they are admitted as one batch
-        late = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=10))) for p in ([4, 5], bad, [6])]
+        late = [asyncio.create_task(engine.generate(p, short)) for p in ([4, 5], bad, [6])]
         await asyncio.sleep(0.02)
         await engine.resume()
         return await asyncio.gather(*running, *late, return_exceptions=True)
