@@ -6,7 +6,7 @@
 __all__ = ['Generation', 'Engine', 'TorchEngine']
 
 # %% ../nbs/02_engine.ipynb #63a03957
-import asyncio, itertools, threading, time
+import asyncio, collections, itertools, threading, time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
@@ -118,9 +118,20 @@ def _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_b
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
     _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (default 2**22)")
     _check_int("seed", seed, None, "pass an int seed such as 0")
-    if nonce is not None: _check_int("nonce", nonce, None, "pass None (engines built so far) or the engine's rank")
+    if nonce is not None: _check_int("nonce", nonce, None, "pass None (a nonce no open engine holds) or the engine's rank")
 
-_built = itertools.count() # engines built in this process: the default nonce
+_held, _held_lock = collections.Counter(), threading.Lock() # nonces of this process's open engines
+
+def _hold_nonce(nonce:int|None) -> int:
+    "`nonce`, or else the smallest one no open engine of this process holds; held until `_release_nonce`."
+    with _held_lock:
+        if nonce is None: nonce = next(i for i in itertools.count() if not _held[i])
+        _held[nonce] += 1
+    return nonce
+
+def _release_nonce(nonce:int):
+    "Give back a nonce `_hold_nonce` handed out."
+    with _held_lock: _held[nonce] -= 1
 
 def _key(seed:int, nonce:int, n:int) -> int:
     "The sampling key of an engine's `n`-th request; nonce 0 gives the keys engines had before nonces."
@@ -136,13 +147,11 @@ class TorchEngine:
                  max_batch:int=256, # most requests decoded at once
                  max_model_len:int|None=None, # context limit; default the model's max positions
                  seed:int=0, # sampling RNG seed
-                 nonce:int|None=None, # mixed into sampling keys; default: engines built in this process so far
+                 nonce:int|None=None, # mixed into sampling keys; default: the smallest no open engine here holds
                  version:int=0, # policy version stamped on sampled tokens
                  threads:int=1, # CPU threads of the engine thread's own forward (see below)
                  prefill_budget:int=2**22): # most padded mask elements S*P*P per prefill (`prefill_groups`)
         _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
-        built = next(_built)
-        self._nonce = built if nonce is None else nonce
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
@@ -158,6 +167,7 @@ class TorchEngine:
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
         self._cdf = None # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
+        self._nonce = _hold_nonce(nonce)
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
         self._thread.start()
 
@@ -267,8 +277,11 @@ async def load_weights(self:TorchEngine,
 @patch
 def close(self:TorchEngine):
     "Stop the engine thread; requests still queued or running finish with reason 'abort'."
-    with self._cv: self._closed = True; self._cv.notify()
+    with self._cv:
+        first, self._closed = not self._closed, True
+        self._cv.notify()
     self._thread.join()
+    if first: _release_nonce(self._nonce)
 
 # %% ../nbs/02_engine.ipynb #0bd14d3d
 @patch
