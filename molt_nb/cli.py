@@ -85,7 +85,8 @@ def main(argv:list|None=None):
     model, tok = _load(args.model, args.seed)
     prompts = args.prompt or ["What is 2+2?", "Name a prime number.", "Say hello."]
     engine = TorchEngine(model, seed=args.seed)
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    stop = () if tok.eos_token_id is None else (tok.eos_token_id,) # a reply ends at EOS, as in a chat
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, stop_token_ids=stop)
     try: gens = asyncio.run(sample(engine, tok, prompts, sp, None if args.update_at < 0 else args.update_at))
     finally: engine.close()
     for i, p in enumerate(prompts): print(f"request {i}: {p!r} -> {tok.decode(gens[i].token_ids)!r} ({gens[i].finish_reason})")

@@ -6,13 +6,14 @@
 __all__ = ['Generation', 'Engine', 'TorchEngine']
 
 # %% ../nbs/02_engine.ipynb #63a03957
-import asyncio, threading, time
+import asyncio, collections, itertools, threading, time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
 from .core import SamplingParams, filters_off, process_logits
-from .decode import SlotCache, Qwen3Decoder, qwen3_decodable, cache_dims, prefill_inputs, counter_uniform, grow
+from .decode import (SlotCache, Qwen3Decoder, qwen3_decodable, windowed_layers, cache_dims, prefill_inputs,
+    prefill_groups, counter_uniform, inverse_cdf, grow)
 from .models import moe_gates, route_shape
 
 # %% ../nbs/02_engine.ipynb #3b173eda
@@ -22,7 +23,7 @@ class Generation:
     token_ids:torch.Tensor # (N,) int64 sampled ids
     logprobs:torch.Tensor # (N,) float32 behaviour logprob of each sampled id
     versions:torch.Tensor # (N,) int32 policy version that sampled each id
-    routes:torch.Tensor|None # (P+N, layers, top_k) int16 expert ids of prompt and sampled tokens, -1 unknown
+    routes:torch.Tensor|None # (P+N, layers, top_k) int16 expert ids, -1 unknown; re-routed by a weight load
     finish_reason:str # "stop" (a stop id), "length" (max_tokens or context), "abort" (pause(keep=False))
     prompt_len:int # P, tokens in the request's prompt
 
@@ -44,7 +45,7 @@ _FILL = dict(stop=-1, routes=-1) # padding of the running rows' tensors; everyth
 @dataclass
 class _Rows:
     "Per-request state of the rows being decoded."
-    uniform:torch.Tensor # (S, M) the uniform each sampled token will use (see `counter_uniform`)
+    uniform:torch.Tensor # (S, M) float64 uniform each sampled token will use (see `counter_uniform`)
     pos:torch.Tensor # (S,) position id of the next token to feed
     count:torch.Tensor # (S,) tokens sampled so far
     temperature:torch.Tensor # (S,)
@@ -96,6 +97,47 @@ class _Request:
         try: self.loop.call_soon_threadsafe(done)
         except RuntimeError: pass # the caller's loop is closed: nobody is waiting, and the engine must live on
 
+# %% ../nbs/02_engine.ipynb #be15b6d1
+def _check_int(name:str, value, low:int|None, fix:str):
+    "Raise unless `value` is an int (not a bool) of at least `low` (None: any int)."
+    if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
+    expected = "an int" if low is None else f"an int >= {low}"
+    raise ValueError(f"TorchEngine: {name}={value!r}, expected {expected}: {fix}")
+
+def _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget):
+    "Raise on a model or constructor arguments the engine cannot run with, before it touches the model."
+    windowed = windowed_layers(model.config)
+    if windowed: raise ValueError(
+        f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
+        f"(sliding_window={getattr(model.config, 'sliding_window', None)}), but the engine's cache and attention see "
+        "the whole context, so its logprobs would be wrong: serve the model with full attention only if it was "
+        "trained so (use_sliding_window=False), else use an engine with window masks (vLLM)")
+    _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
+    if max_model_len is not None:
+        _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
+    _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
+    _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (default 2**22)")
+    _check_int("seed", seed, None, "pass an int seed such as 0")
+    if nonce is not None: _check_int("nonce", nonce, None, "pass None (a nonce no open engine holds) or the engine's rank")
+
+_held, _held_lock = collections.Counter(), threading.Lock() # nonces of this process's open engines
+
+def _hold_nonce(nonce:int|None) -> int:
+    "`nonce`, or else the smallest one no open engine of this process holds; held until `_release_nonce`."
+    with _held_lock:
+        if nonce is None: nonce = next(i for i in itertools.count() if not _held[i])
+        _held[nonce] += 1
+    return nonce
+
+def _release_nonce(nonce:int):
+    "Give back a nonce `_hold_nonce` handed out."
+    with _held_lock: _held[nonce] -= 1
+
+def _key(seed:int, nonce:int, n:int) -> int:
+    "The sampling key of an engine's `n`-th request; nonce 0 gives the keys engines had before nonces."
+    # int hashing is deterministic across processes
+    return hash((seed, n) if nonce == 0 else (seed, nonce, n)) & 0xFFFFFFFF
+
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
     "Continuous-batching engine over a transformers causal LM; a background thread owns the model."
@@ -105,12 +147,16 @@ class TorchEngine:
                  max_batch:int=256, # most requests decoded at once
                  max_model_len:int|None=None, # context limit; default the model's max positions
                  seed:int=0, # sampling RNG seed
+                 nonce:int|None=None, # mixed into sampling keys; default: the smallest no open engine here holds
                  version:int=0, # policy version stamped on sampled tokens
-                 threads:int=1): # CPU threads of the engine thread's own forward (see below)
+                 threads:int=1, # CPU threads of the engine thread's own forward (see below)
+                 prefill_budget:int=2**22): # most padded mask elements S*P*P per prefill (`prefill_groups`)
+        _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
         self.vocab_size, self.version, self.max_batch, self.threads = model.config.vocab_size, version, max_batch, threads
+        self.prefill_budget = prefill_budget
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.stats = dict(steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0) # busy_s: seconds spent computing (idle = wall - busy)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
@@ -120,6 +166,8 @@ class TorchEngine:
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
+        self._cdf = None # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
+        self._nonce = _hold_nonce(nonce)
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
         self._thread.start()
 
@@ -127,12 +175,19 @@ class TorchEngine:
 
 # %% ../nbs/02_engine.ipynb #c4dfafee
 @patch
+def _bindable(self:TorchEngine, sp:SamplingParams) -> SamplingParams:
+    "`sp` less what cannot bind here: top_k >= vocab_size is off, stop ids >= vocab_size are never sampled."
+    stop = tuple(i for i in sp.stop_token_ids if i < self.vocab_size)
+    if sp.top_k < self.vocab_size and stop == sp.stop_token_ids: return sp
+    return sp.replace(top_k=sp.top_k if sp.top_k < self.vocab_size else -1, stop_token_ids=stop)
+
+@patch
 async def generate(self:TorchEngine,
                    token_ids, # (P,) prompt ids: list or tensor
                    sampling:SamplingParams|None=None,
                    session_id:str|None=None) -> Generation: # kept for the Engine protocol (router affinity)
     "Sample a continuation of `token_ids`."
-    sampling = sampling or SamplingParams()
+    sampling = self._bindable(sampling or SamplingParams())
     prompt = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     if len(prompt) == 0: raise ValueError("generate: token_ids is empty; pass at least one prompt token")
     low, high = (int(v) for v in torch.aminmax(prompt))
@@ -147,7 +202,7 @@ async def generate(self:TorchEngine,
     req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
     with self._cv: # keys are allocated under the lock: callers on two threads never share one
         if self._closed: raise RuntimeError("generate: the engine is closed")
-        req.key = hash((self._seed, self._submitted)) & 0xFFFFFFFF # int hashing is deterministic across processes
+        req.key = _key(self._seed, self._nonce, self._submitted)
         self._submitted += 1
         self._pending.append(req); self._cv.notify()
     return await req.future
@@ -202,7 +257,7 @@ async def resume(self:TorchEngine):
 async def load_weights(self:TorchEngine,
                        named_tensors, # dict or iterable of (name, tensor), names as in the model's state_dict
                        version:int): # the policy version these weights are
-    "Copy weights in between two decode steps; later tokens carry `version`."
+    "Copy weights in between two decode steps, re-prefilling the running rows; later tokens carry `version`."
     items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
     for name, t in items:
         if name not in self._params:
@@ -214,13 +269,19 @@ async def load_weights(self:TorchEngine,
         with torch.no_grad():
             for name, t in items: self._params[name].copy_(t)
         self.version = version
+        if not self._reqs: return
+        try: self._refill()
+        except Exception as e: self._fail_running(e) # their cache is the old weights': they cannot go on
     await self._command(do)
 
 @patch
 def close(self:TorchEngine):
     "Stop the engine thread; requests still queued or running finish with reason 'abort'."
-    with self._cv: self._closed = True; self._cv.notify()
+    with self._cv:
+        first, self._closed = not self._closed, True
+        self._cv.notify()
     self._thread.join()
+    if first: _release_nonce(self._nonce)
 
 # %% ../nbs/02_engine.ipynb #0bd14d3d
 @patch
@@ -252,15 +313,32 @@ def _loop(self:TorchEngine):
             for command in commands: command()
             admit = self._take_pending()
             start = time.perf_counter()
-            try:
-                if admit: self._admit(admit)
-                if self._reqs and not self._paused: self._decode()
-            except Exception as e: # costs the requests in this batch, never the engine
-                for r in self._reqs + admit: r.resolve(error=e)
-                self._reqs, self._rows, self._cache = [], None, None
+            for group in prefill_groups([len(r.prompt) for r in admit], self.prefill_budget):
+                self._admit_or_split([admit[i] for i in group])
+            if self._reqs and not self._paused: self._step()
             self.stats["busy_s"] += time.perf_counter() - start
             self._drained()
         self._abort()
+
+@patch
+def _admit_or_split(self:TorchEngine, reqs:list):
+    "Admit `reqs`; if that raises, admit them one by one: the error reaches only the requests that raise it."
+    try: self._admit(reqs)
+    except Exception as e:
+        if len(reqs) == 1: return reqs[0].resolve(error=e)
+        for r in reqs: self._admit_or_split([r])
+
+@patch
+def _step(self:TorchEngine):
+    "One decode step; if it raises, all running rows fail (they shared the forward: no culprit to tell)."
+    try: self._decode()
+    except Exception as e: self._fail_running(e)
+
+@patch
+def _fail_running(self:TorchEngine, error:Exception):
+    "Resolve every running request with `error` and empty the batch."
+    for r in self._reqs: r.resolve(error=error)
+    self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #ef671fba
 @patch
@@ -295,92 +373,131 @@ def _new_rows(self:TorchEngine, reqs, pos):
                  routes=torch.full((S, M, *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None)
 
 @patch
-def _admit(self:TorchEngine, reqs):
-    "Prefill `reqs`, join them to the running rows and sample their first token."
-    ids, pos, mask, cache = prefill_inputs([r.prompt for r in reqs], self.dims, self.dtype)
+def _prefill(self:TorchEngine, seqs:list) -> tuple:
+    "Prefill `seqs` as one left-padded batch: (last logits, cache, next positions, routes of each or None)."
+    ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype)
     logits = self._forward(ids, pos, mask, cache)
-    if self._route_shape:
-        routes = self._routes(*ids.shape)
-        for r, row in zip(reqs, routes): r.routes = row[ids.shape[1] - len(r.prompt):]
-    rows = self._new_rows(reqs, pos[:, -1] + 1)
-    headroom = int(rows.max_new.max())
-    if self._cache is None: self._cache, self._rows, self._reqs = cache, rows, list(reqs)
-    else:
-        self._cache = SlotCache.merge(self._cache, cache, headroom)
-        self._rows, self._reqs = self._rows.cat(rows), self._reqs + list(reqs)
-    self._cache.reserve(headroom)
-    self._flags = self._rows.flags(self.vocab_size)
+    if not self._route_shape: return logits, cache, pos[:, -1] + 1, None
+    return logits, cache, pos[:, -1] + 1, [row[ids.shape[1] - len(s):] for s, row in zip(seqs, self._routes(*ids.shape))]
+
+@patch
+def _admit(self:TorchEngine, reqs):
+    "Prefill `reqs`, sample a first token, join the rows that go on to the batch (untouched if this raises)."
+    logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
+    for r, row in zip(reqs, routes or []): r.routes = row
+    rows = self._new_rows(reqs, pos)
+    finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
+    if len(keep) < len(reqs): rows, cache = rows.take(keep), cache.take(keep)
+    if len(keep): self._join([reqs[i] for i in keep.tolist()], rows, cache)
     self.stats["prefills"] += 1; self.stats["requests"] += len(reqs)
-    self._sample(logits, len(self._reqs) - len(reqs))
+    for req, gen in finished: req.resolve(gen)
+
+@patch
+def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
+    "Append admitted rows and their cache to the running batch; assigns nothing until all is built."
+    headroom = int(rows.max_new.max())
+    if self._cache is None: merged, joined = cache, rows
+    else: merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
+    merged.reserve(headroom)
+    self._cache, self._rows, self._reqs = merged, joined, self._reqs + reqs
+    self._flags = joined.flags(self.vocab_size)
+
+@patch
+def _refill(self:TorchEngine):
+    "Recompute the running rows' cache and routes under the current weights, all tokens but each row's last."
+    r, reqs, order, cache = self._rows, self._reqs, [], None
+    seqs = [torch.cat([q.prompt, r.tokens[i, :n - 1]]) for i, q, n in zip(range(len(reqs)), reqs, r.count.tolist())]
+    for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
+        _, part, _, routes = self._prefill([seqs[i] for i in group])
+        for i, row in zip(group, routes or []):
+            P = len(reqs[i].prompt)
+            reqs[i].routes, r.routes[i, :len(row) - P] = row[:P], row[P:]
+        cache, order = part if cache is None else SlotCache.merge(cache, part), order + group
+    rows = r.take(torch.tensor(order))
+    cache.reserve(int((rows.max_new - rows.count).max()) + 1)
+    self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in order]
 
 @patch
 def _decode(self:TorchEngine):
-    "Feed every row its last sampled token and sample the next."
+    "Feed every row its last sampled token, sample the next, finish the rows that are done."
     r, S = self._rows, len(self._reqs)
     self._cache.reserve(1)
     logits = self._forward(r.tokens.gather(1, (r.count - 1)[:, None]), r.pos[:, None], self._cache.decode_mask(self.dtype), self._cache)
     r.pos += 1
     if self._route_shape: r.routes[torch.arange(S), r.count - 1] = self._routes(S, 1)[:, 0]
-    self._sample(logits)
+    done, stopped = self._sample(logits, r, self._reqs, self._flags)
+    if done.any(): self._finish(done, stopped)
 
-# %% ../nbs/02_engine.ipynb #1e405ebb
+# %% ../nbs/02_engine.ipynb #2dba0abb
 @patch
-def _sample(self:TorchEngine, logits, start:int=0):
-    "Sample one token for rows `start:` from `logits` `(S - start, V)`; record it; finish rows that are done."
-    r, rows, (filtered, greedy, stops) = self._rows, slice(start, None), self._flags
-    t, c = r.temperature[rows], r.count[rows]
-    logp = (process_logits(logits, t, r.top_k[rows], r.top_p[rows]) if filtered else process_logits(logits, t)).log_softmax(-1)
-    cdf = logp.exp().cumsum(-1)
-    u = r.uniform[rows].gather(1, c[:, None]) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u, right=True)
+def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
+    "An `(S, V)` float64 view of a buffer kept across steps and grown to the widest batch."
+    if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V:
+        self._cdf = torch.empty(S, V, dtype=torch.float64)
+    return self._cdf[:S]
+
+@patch
+def _sample(self:TorchEngine, logits, rows:_Rows, reqs:list, flags:tuple) -> tuple:
+    "Sample and record one token per row of `rows` from `logits` `(S, V)`; return `(S,)` masks done, stopped."
+    (filtered, greedy, stops), t, c = flags, rows.temperature, rows.count
+    logp = (process_logits(logits, t, rows.top_k, rows.top_p) if filtered else process_logits(logits, t)).log_softmax(-1)
+    tok = inverse_cdf(logp, rows.uniform.gather(1, c[:, None]), self._scratch(*logp.shape))
     past_end = tok == logits.shape[-1] # u rounded up to the total: rare, so checked before paying for argmax
     if greedy or past_end.any(): tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
-    r.tokens[rows].scatter_(1, c[:, None], tok)
-    r.logprobs[rows].scatter_(1, c[:, None], logp.gather(-1, tok))
-    r.versions[rows].scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
+    rows.tokens.scatter_(1, c[:, None], tok)
+    rows.logprobs.scatter_(1, c[:, None], logp.gather(-1, tok))
+    rows.versions.scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
     c += 1
     self.stats["steps"] += 1; self.stats["tokens"] += len(t)
-    stopped = (tok == r.stop[rows]).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
-    done = stopped | (c >= r.max_new[rows])
-    if any(q.cancelled for q in self._reqs): done |= torch.tensor([q.cancelled for q in self._reqs[rows]])
-    if done.any(): self._finish(done.nonzero()[:, 0] + start, stopped[done])
+    stopped = (tok == rows.stop).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
+    done = stopped | (c >= rows.max_new)
+    if any(q.cancelled for q in reqs): done |= torch.tensor([q.cancelled for q in reqs])
+    return done, stopped
 
-# %% ../nbs/02_engine.ipynb #f3ce3827
+# %% ../nbs/02_engine.ipynb #54a978f0
 @patch
-def _results(self:TorchEngine, rows:list, reasons:list) -> list:
-    "The `Generation`s of running `rows` (one gather per field, then views per row)."
-    r, idx = self._rows, torch.tensor(rows, dtype=torch.long)
-    tokens, logprobs, versions = r.tokens[idx], r.logprobs[idx], r.versions[idx]
-    routes = r.routes[idx] if self._route_shape else None
+def _results(self:TorchEngine, rows:_Rows, reqs:list, idx:list, reasons:list) -> list:
+    "(request, Generation) of rows `idx` of `rows` (one gather per field, then views per row)."
+    i = torch.tensor(idx, dtype=torch.long)
+    tokens, logprobs, versions = rows.tokens[i], rows.logprobs[i], rows.versions[i]
+    routes = rows.routes[i] if self._route_shape else None
     out = []
-    for j, (i, n) in enumerate(zip(rows, r.count[idx].tolist())):
-        req = self._reqs[i]
-        out.append(Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n],
-                              torch.cat([req.routes, routes[j, :n]]) if routes is not None else None, reasons[j], len(req.prompt)))
+    for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
+        req = reqs[k]
+        route = torch.cat([req.routes, routes[j, :n]]) if routes is not None else None
+        out.append((req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n], route, reasons[j], len(req.prompt))))
     return out
 
 @patch
-def _finish(self:TorchEngine, rows, stopped):
-    "Resolve finished `rows` and drop them from the batch."
-    rows = rows.tolist()
-    for i, gen in zip(rows, self._results(rows, ["stop" if s else "length" for s in stopped.tolist()])): self._reqs[i].resolve(gen)
-    keep = torch.ones(len(self._reqs), dtype=torch.bool)
-    keep[rows] = False
-    idx = keep.nonzero()[:, 0]
-    self._reqs = [self._reqs[i] for i in idx.tolist()]
+def _settle(self:TorchEngine, rows:_Rows, reqs:list, done, stopped) -> tuple:
+    "The (request, Generation) pairs of the `done` rows, and the indices of the rows that go on."
+    reasons = ["stop" if s else "length" for s in stopped[done].tolist()]
+    return self._results(rows, reqs, done.nonzero()[:, 0].tolist(), reasons), (~done).nonzero()[:, 0]
+
+@patch
+def _finish(self:TorchEngine, done, stopped):
+    "Resolve the running rows that are `done` and drop them from the batch."
+    finished, keep = self._settle(self._rows, self._reqs, done, stopped)
+    self._reqs = [self._reqs[i] for i in keep.tolist()]
     if self._reqs:
-        self._cache, self._rows = self._cache.take(idx), self._rows.take(idx)
+        self._cache, self._rows = self._cache.take(keep), self._rows.take(keep)
         self._flags = self._rows.flags(self.vocab_size)
     else: self._cache, self._rows = None, None
+    for req, gen in finished: req.resolve(gen)
 
 @patch
 def _abort(self:TorchEngine):
     "Finish every running and queued request now with reason 'abort' (partial tokens kept)."
     if self._reqs:
-        for req, gen in zip(self._reqs, self._results(list(range(len(self._reqs))), ["abort"] * len(self._reqs))): req.resolve(gen)
+        n = len(self._reqs)
+        for req, gen in self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n): req.resolve(gen)
     with self._cv: pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
-    for req in pending: req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), None, "abort", len(req.prompt)))
+    shape = self._route_shape
+    for req in pending: # never prefilled: its routes are unknown (-1) on a MoE model
+        P = len(req.prompt)
+        routes = torch.full((P, *shape), -1, dtype=torch.int16) if shape else None
+        req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), routes, "abort", P))
     self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #6f439c4b

@@ -1,24 +1,55 @@
 """The README's main-job command, run as a user would."""
-import subprocess, sys, os
+import re, subprocess, sys, os
 from pathlib import Path
 
+import torch
+
+from molt_nb import cli
+from molt_nb.models import build_tokenizer, tiny_dense
+
 BIN = Path(sys.executable).parent
+EOS = build_tokenizer().eos_token_id
+
+
+def token_rows(stdout):
+    "Per-request summary reasons and the rows of the token table `molt-nb sample` prints."
+    lines = stdout.splitlines()
+    reasons = {int(m[1]): m[2] for m in (re.match(r"request (\d+): .* \((\w+)\)$", l) for l in lines) if m}
+    header = next(i for i, l in enumerate(lines) if l.split()[:3] == ["request", "position", "text"])
+    return reasons, [l.split() for l in lines[header + 1:]]
 
 
 def test_molt_nb_sample_prints_a_token_table():
     out = subprocess.run([BIN / "molt-nb", "sample", "--max-tokens", "24", "--update-at", "3"], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    header = next(i for i, l in enumerate(lines) if l.split()[:3] == ["request", "position", "text"])
-    rows = [l.split() for l in lines[header + 1:]]
-    assert len(rows) == 3 * 24 # three default prompts, 24 tokens each
+    reasons, rows = token_rows(out.stdout)
+    assert len(reasons) == 3 # three default prompts
+    for req, reason in reasons.items(): # 24 tokens each, unless the request sampled EOS
+        ids = [int(r[3]) for r in rows if r[0] == str(req)]
+        if reason == "length": assert len(ids) == 24
+        else: assert reason == "stop" and ids[-1] == EOS and len(ids) <= 24
     versions = {int(r[-1]) for r in rows}
-    assert versions == {0, 1} # the weight update landed while requests were in flight
+    assert versions <= {0, 1}
+    if "length" in reasons.values(): assert versions == {0, 1} # the weight update landed while requests were in flight
     assert all(float(r[-2]) <= 0 for r in rows) # logprobs
     for req in range(3): # per request, versions never go back
         v = [int(r[-1]) for r in rows if r[0] == str(req)]
         assert v == sorted(v)
+
+
+def test_molt_nb_sample_stops_at_eos(monkeypatch, capsys):
+    "A request that samples the tokenizer's EOS ends there, with reason 'stop'."
+    tok = build_tokenizer()
+    model = tiny_dense(tok)
+    # +50 on EOS's logit in every lm_head call: the prefill's, so each request's first token is EOS
+    boost = lambda m, i, out: out.index_add(-1, torch.tensor([EOS]), torch.full_like(out[..., :1], 50.))
+    model.lm_head.register_forward_hook(boost)
+    monkeypatch.setattr(cli, "_load", lambda name, seed: (model, tok))
+    cli.main(["sample", "--max-tokens", "8", "--update-at", "-1"])
+    reasons, rows = token_rows(capsys.readouterr().out)
+    assert reasons == {0: "stop", 1: "stop", 2: "stop"}
+    assert [(r[0], r[1], int(r[3])) for r in rows] == [(str(i), "0", EOS) for i in range(3)]
 
 
 def test_molt_nb_rejects_an_unknown_command():

@@ -125,3 +125,31 @@ def test_close_finishes_queued_requests_as_aborted():
 
     gen = asyncio.run(go())
     assert gen.finish_reason == "abort" and len(gen) == 0
+
+
+def test_a_failing_admit_fails_only_its_request():
+    "A prefill that raises for one prompt fails that request only; running rows and its batch-mates finish."
+    engine = TorchEngine(tiny_dense(), seed=0)
+    bad, real, prefills = [7, 7, 7, 7, 7], engine._forward, []
+
+    def forward(ids, pos, mask, cache): # an OOM, say, in any prefill (a fresh cache) holding the bad prompt
+        if cache.length == 0: prefills.append(len(ids))
+        if cache.length == 0 and any(row[-5:].tolist() == bad for row in ids): raise MemoryError("simulated OOM")
+        return real(ids, pos, mask, cache)
+    engine._forward = forward
+
+    async def go():
+        long, short = SamplingParams(max_tokens=40), SamplingParams(max_tokens=10)
+        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(3)]
+        while engine.stats["tokens"] < 6: await asyncio.sleep(0.001)
+        await engine.pause() # queue three requests while paused, so they are admitted as one batch
+        late = [asyncio.create_task(engine.generate(p, short)) for p in ([4, 5], bad, [6])]
+        await asyncio.sleep(0.02)
+        await engine.resume()
+        return await asyncio.gather(*running, *late, return_exceptions=True)
+
+    out = asyncio.run(go())
+    engine.close()
+    assert isinstance(out[4], MemoryError)
+    assert [len(g) for i, g in enumerate(out) if i != 4] == [40, 40, 40, 10, 10]
+    assert prefills[-4:] == [3, 1, 1, 1] # the late batch, then its requests one by one
