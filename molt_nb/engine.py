@@ -166,6 +166,7 @@ class TorchEngine:
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
+        self._stale = False # weights were loaded since the running rows' cache was computed (see `load_weights`)
         self._cdf = None # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
         self._nonce = _hold_nonce(nonce)
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
@@ -257,7 +258,7 @@ async def resume(self:TorchEngine):
 async def load_weights(self:TorchEngine,
                        named_tensors, # dict or iterable of (name, tensor), names as in the model's state_dict
                        version:int): # the policy version these weights are
-    "Copy weights in between two decode steps, re-prefilling the running rows; later tokens carry `version`."
+    "Copy weights in between two decode steps; later tokens carry `version` (held rows are re-prefilled first)."
     items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
     for name, t in items:
         if name not in self._params:
@@ -269,9 +270,9 @@ async def load_weights(self:TorchEngine,
         with torch.no_grad():
             for name, t in items: self._params[name].copy_(t)
         self.version = version
-        if not self._reqs: return
-        try: self._refill()
-        except Exception as e: self._fail_running(e) # their cache is the old weights': they cannot go on
+        # the held rows' cache is the old weights': re-prefilled once, before they decode again (so a sync that
+        # loads its weights in several calls pays one re-prefill, and rows an abort ends pay none)
+        self._stale = bool(self._reqs)
     await self._command(do)
 
 @patch
@@ -313,20 +314,39 @@ def _loop(self:TorchEngine):
             for command in commands: command()
             admit = self._take_pending()
             start = time.perf_counter()
-            for group in prefill_groups([len(r.prompt) for r in admit], self.prefill_budget):
-                self._admit_or_split([admit[i] for i in group])
+            if self._stale and not self._paused: self._refill()
+            self._admit_all(admit)
             if self._reqs and not self._paused: self._step()
+            if not self._reqs: self._cdf = None # idle: give the sampling buffer back
             self.stats["busy_s"] += time.perf_counter() - start
             self._drained()
         self._abort()
 
 @patch
-def _admit_or_split(self:TorchEngine, reqs:list):
-    "Admit `reqs`; if that raises, admit them one by one: the error reaches only the requests that raise it."
-    try: self._admit(reqs)
+def _admit_all(self:TorchEngine, admit:list):
+    "Admit `admit` in prefills of similar lengths (`prefill_groups`), then join the rows that go on in one merge."
+    groups = prefill_groups([len(r.prompt) for r in admit], self.prefill_budget)
+    parts = [part for g in groups for part in self._admit_or_split([admit[i] for i in g])]
+    if not parts: return
+    try: self._join(*_stacked(parts))
+    except Exception as e: # the running rows are untouched: only the newcomers fail
+        for reqs, _, _ in parts:
+            for r in reqs: r.resolve(error=e)
+
+@patch
+def _admit_or_split(self:TorchEngine, reqs:list) -> list:
+    "The parts `_admit` builds for `reqs`; if that raises, admit them one by one: the error reaches only its requests."
+    try: return self._admit(reqs)
     except Exception as e:
-        if len(reqs) == 1: return reqs[0].resolve(error=e)
-        for r in reqs: self._admit_or_split([r])
+        if len(reqs) > 1: return [part for r in reqs for part in self._admit_or_split([r])]
+        reqs[0].resolve(error=e)
+        return []
+
+def _stacked(parts:list) -> tuple:
+    "The (requests, rows, cache) parts of one admission as one (caches right-aligned by `SlotCache.merge`)."
+    reqs, rows, cache = parts[0]
+    for r, w, c in parts[1:]: reqs, rows, cache = reqs + r, rows.cat(w), SlotCache.merge(cache, c)
+    return reqs, rows, cache
 
 @patch
 def _step(self:TorchEngine):
@@ -335,9 +355,10 @@ def _step(self:TorchEngine):
     except Exception as e: self._fail_running(e)
 
 @patch
-def _fail_running(self:TorchEngine, error:Exception):
-    "Resolve every running request with `error` and empty the batch."
-    for r in self._reqs: r.resolve(error=error)
+def _fail_running(self:TorchEngine, error:Exception|None):
+    "Resolve every running request with `error` (None: already resolved) and empty the batch."
+    if error is not None:
+        for r in self._reqs: r.resolve(error=error)
     self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #ef671fba
@@ -381,16 +402,16 @@ def _prefill(self:TorchEngine, seqs:list) -> tuple:
     return logits, cache, pos[:, -1] + 1, [row[ids.shape[1] - len(s):] for s, row in zip(seqs, self._routes(*ids.shape))]
 
 @patch
-def _admit(self:TorchEngine, reqs):
-    "Prefill `reqs`, sample a first token, join the rows that go on to the batch (untouched if this raises)."
+def _admit(self:TorchEngine, reqs) -> list:
+    "Prefill `reqs` and sample a first token: [(requests, rows, cache)] of those that go on (the batch is untouched)."
     logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
     for r, row in zip(reqs, routes or []): r.routes = row
     rows = self._new_rows(reqs, pos)
     finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
     if len(keep) < len(reqs): rows, cache = rows.take(keep), cache.take(keep)
-    if len(keep): self._join([reqs[i] for i in keep.tolist()], rows, cache)
     self.stats["prefills"] += 1; self.stats["requests"] += len(reqs)
     for req, gen in finished: req.resolve(gen)
+    return [([reqs[i] for i in keep.tolist()], rows, cache)] if len(keep) else []
 
 @patch
 def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
@@ -404,18 +425,23 @@ def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
 
 @patch
 def _refill(self:TorchEngine):
-    "Recompute the running rows' cache and routes under the current weights, all tokens but each row's last."
-    r, reqs, order, cache = self._rows, self._reqs, [], None
-    seqs = [torch.cat([q.prompt, r.tokens[i, :n - 1]]) for i, q, n in zip(range(len(reqs)), reqs, r.count.tolist())]
+    "Recompute the running rows' cache and routes under the current weights (all tokens but each row's last)."
+    r, reqs, kept, cache, self._stale = self._rows, self._reqs, [], None, False
+    seqs = [torch.cat([q.prompt, r.tokens[i, :n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
     for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
-        _, part, _, routes = self._prefill([seqs[i] for i in group])
+        try: _, part, _, routes = self._prefill([seqs[i] for i in group])
+        except Exception as e: # an OOM, say: these rows cannot go on (their cache is the old weights'), the rest can
+            for i in group: reqs[i].resolve(error=e)
+            continue
         for i, row in zip(group, routes or []):
             P = len(reqs[i].prompt)
             reqs[i].routes, r.routes[i, :len(row) - P] = row[:P], row[P:]
-        cache, order = part if cache is None else SlotCache.merge(cache, part), order + group
-    rows = r.take(torch.tensor(order))
+        cache, kept = part if cache is None else SlotCache.merge(cache, part), kept + group
+    if not kept: return self._fail_running(None)
+    rows = r.take(torch.tensor(kept))
     cache.reserve(int((rows.max_new - rows.count).max()) + 1)
-    self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in order]
+    self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in kept]
+    self._flags = rows.flags(self.vocab_size)
 
 @patch
 def _decode(self:TorchEngine):
@@ -431,9 +457,10 @@ def _decode(self:TorchEngine):
 # %% ../nbs/02_engine.ipynb #2dba0abb
 @patch
 def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
-    "An `(S, V)` float64 view of a buffer kept across steps and grown to the widest batch."
+    "An `(S, V)` float64 view of a buffer kept across steps: it doubles as batches grow, up to `max_batch` rows."
     if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V:
-        self._cdf = torch.empty(S, V, dtype=torch.float64)
+        grown = 2 * len(self._cdf) if self._cdf is not None and self._cdf.shape[1] == V else S
+        self._cdf = torch.empty(max(S, min(grown, self.max_batch)), V, dtype=torch.float64)
     return self._cdf[:S]
 
 @patch

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from molt_nb.core import SamplingParams, Segment, Trajectory, collate, token_logprobs
+from molt_nb.decode import SlotCache
 from molt_nb.engine import TorchEngine
 from molt_nb.models import moe_gates, tiny_dense, tiny_moe
 
@@ -26,6 +27,13 @@ async def run_staggered(engine, prompts, sps, seed):
         tasks.append(asyncio.create_task(engine.generate(p, sp)))
         if rng.random() < 0.5: await asyncio.sleep(rng.random() * 0.01)
     return await asyncio.gather(*tasks)
+
+
+async def sampled(engine, n, timeout_s=60):
+    "Wait until the engine has sampled `n` tokens; a stalled engine fails the test after `timeout_s`, never hangs it."
+    async def poll():
+        while engine.stats["tokens"] < n: await asyncio.sleep(0.001)
+    await asyncio.wait_for(poll(), timeout_s)
 
 
 def full_forward(model, prompt, gen):
@@ -84,7 +92,7 @@ def test_many_requests_in_flight_across_a_weight_load():
 
     async def go():
         tasks = [asyncio.create_task(engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=60))) for i in range(10)]
-        while engine.stats["tokens"] < 30: await asyncio.sleep(0.001)
+        await sampled(engine, 30)
         await engine.pause()
         await engine.load_weights(flat, version=7)
         await engine.resume()
@@ -139,10 +147,11 @@ def test_a_failing_admit_fails_only_its_request():
     engine._forward = forward
 
     async def go():
-        long, short = SamplingParams(max_tokens=40), SamplingParams(max_tokens=10)
+        long, short = SamplingParams(max_tokens=200), SamplingParams(max_tokens=10)
         running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(3)]
-        while engine.stats["tokens"] < 6: await asyncio.sleep(0.001)
+        await sampled(engine, 6)
         await engine.pause() # queue three requests while paused, so they are admitted as one batch
+        assert len(engine._reqs) == 3, "the running rows ended before the pause: the test would check nothing"
         late = [asyncio.create_task(engine.generate(p, short)) for p in ([4, 5], bad, [6])]
         await asyncio.sleep(0.02)
         await engine.resume()
@@ -151,5 +160,62 @@ def test_a_failing_admit_fails_only_its_request():
     out = asyncio.run(go())
     engine.close()
     assert isinstance(out[4], MemoryError)
-    assert [len(g) for i, g in enumerate(out) if i != 4] == [40, 40, 40, 10, 10]
+    assert [len(g) for i, g in enumerate(out) if i != 4] == [200, 200, 200, 10, 10]
     assert prefills[-4:] == [3, 1, 1, 1] # the late batch, then its requests one by one
+
+
+def test_admission_joins_the_running_batch_once():
+    "Newcomers in several prefill groups are merged with each other, then with the running rows once (one copy of them)."
+    engine = TorchEngine(tiny_dense(), seed=0)
+    merges, real = [], SlotCache.merge
+    def merge(a, b, headroom=0):
+        merges.append(len(a))
+        return real(a, b, headroom)
+
+    async def go():
+        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=300))) for i in range(8)]
+        await sampled(engine, 16)
+        await engine.pause() # three newcomers, one per length bucket: three prefills
+        late = [asyncio.create_task(engine.generate([5] * n, SamplingParams(max_tokens=4))) for n in (3, 100, 300)]
+        await asyncio.sleep(0.02)
+        SlotCache.merge = merge
+        try: await engine.resume(); return await asyncio.gather(*running, *late)
+        finally: SlotCache.merge = real
+
+    gens = asyncio.run(go())
+    engine.close()
+    assert [len(g) for g in gens] == [300] * 8 + [4] * 3
+    assert sum(n >= 8 for n in merges) == 1, merges # the running cache was copied once, not once per prefill
+
+
+def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its_rows():
+    "Rows held across a load are re-prefilled once, before they decode again; a refill group that raises fails alone."
+    model = tiny_dense()
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    refills, real = [], engine._prefill
+    def prefill(seqs):
+        if engine.version == 1: # the refill: the only prefill after the load
+            refills.append([len(s) for s in seqs])
+            if max(len(s) for s in seqs) > 150: raise MemoryError("simulated OOM in the refill of the long row")
+        return real(seqs)
+    engine._prefill = prefill
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=60))) for p in ([1, 2, 3], [4] * 200)]
+        await sampled(engine, 10)
+        await engine.pause()
+        items = list(new.items())
+        await engine.load_weights(items[:len(items) // 2], version=1) # a sync in two parts ...
+        await engine.load_weights(items[len(items) // 2:], version=1)
+        await engine.resume() # ... refills once
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    short, long = asyncio.run(go())
+    engine.close()
+    assert isinstance(long, MemoryError) and len(short) == 60, (short, long)
+    assert len(refills) == 2 and sorted(len(r) for r in refills) == [1, 1], refills # one refill: two length groups
+    model.load_state_dict(new)
+    logits = full_forward(model, [1, 2, 3], short)[0][2:-1]
+    after = short.versions == 1
+    torch.testing.assert_close(short.logprobs[after], token_logprobs(logits, short.token_ids)[after], atol=1e-5, rtol=0)
