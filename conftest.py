@@ -15,7 +15,7 @@ from nbdev.config import get_config
 
 _read = _nbval.nbformat.read
 _FLAGS = "|".join(map(re.escape, get_config(Path(__file__).parent).tst_flags.split()))
-SKIPPED = re.compile(rf"^\s*#\|\s*(eval\s*:\s*false|{_FLAGS})\s*$", re.MULTILINE)
+SKIPPED = re.compile(rf"^\s*#\|\s*(eval\s*:\s*false|{_FLAGS})\s*$", re.MULTILINE | re.IGNORECASE)
 
 
 def _read_for_nbval(*args, **kwargs):

@@ -77,6 +77,12 @@ def train_command(args):
     print(summary.to_string(index=False, float_format=lambda x: f"{x:+.3f}" if x < 0 else f"{x:.3f}"))
     print(f"reward curve: {cfg.run_dir}/reward.png")
 
+def _stop_ids(model, tokenizer) -> tuple:
+    "Where a reply ends, as in a chat: the tokenizer's EOS and the model's own (a chat checkpoint may end turns at another)"
+    own = getattr(getattr(model, 'generation_config', None), 'eos_token_id', None)
+    ids = [tokenizer.eos_token_id, *(own if isinstance(own, (list, tuple)) else [own])]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
 def main(argv:list|None=None):
     "Entry point of the `molt-nb` command."
     args = _parser().parse_args(argv)
@@ -85,8 +91,7 @@ def main(argv:list|None=None):
     model, tok = _load(args.model, args.seed)
     prompts = args.prompt or ["What is 2+2?", "Name a prime number.", "Say hello."]
     engine = TorchEngine(model, seed=args.seed)
-    stop = () if tok.eos_token_id is None else (tok.eos_token_id,) # a reply ends at EOS, as in a chat
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, stop_token_ids=stop)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, stop_token_ids=_stop_ids(model, tok))
     try: gens = asyncio.run(sample(engine, tok, prompts, sp, None if args.update_at < 0 else args.update_at))
     finally: engine.close()
     for i, p in enumerate(prompts): print(f"request {i}: {p!r} -> {tok.decode(gens[i].token_ids)!r} ({gens[i].finish_reason})")

@@ -418,9 +418,14 @@ def to(self:Batch, device) -> Batch:
 # %% ../nbs/00_core.ipynb #2bb74fbf
 def _qualified(fn) -> str: return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
+def _site(fn) -> tuple:
+    "Module and qualified name; for a lambda (every one is named '<lambda>') also the line it starts on"
+    code = getattr(fn, '__code__', None)
+    return _qualified(fn), code.co_firstlineno if code is not None and fn.__qualname__.endswith('<lambda>') else None
+
 def _same_function(a, b) -> bool:
-    "True when `b` is `a`, or `a` defined again: the same module and qualified name (a notebook cell run twice)"
-    return a is b or (hasattr(a, '__qualname__') and _qualified(a) == _qualified(b))
+    "True when `b` is `a`, or `a` defined again: the same module, qualified name (and line, for a lambda)"
+    return a is b or (hasattr(a, '__qualname__') and hasattr(b, '__qualname__') and _site(a) == _site(b))
 
 def check_registration(kind:str, # what the registry holds, for the message: 'estimator', 'policy loss', ...
                        name:str, # the name being registered

@@ -55,3 +55,12 @@ def test_molt_nb_sample_stops_at_eos(monkeypatch, capsys):
 def test_molt_nb_rejects_an_unknown_command():
     out = subprocess.run([BIN / "molt-nb", "fly"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "invalid choice" in out.stderr
+
+
+def test_sample_stops_at_every_end_of_turn_id():
+    "The tokenizer's EOS and the model's own generation_config EOS ids (a chat checkpoint may end turns at another)."
+    tok, model = build_tokenizer(), tiny_dense()
+    model.generation_config.eos_token_id = [5, EOS]
+    assert cli._stop_ids(model, tok) == (EOS, 5)
+    model.generation_config.eos_token_id = None
+    assert cli._stop_ids(model, tok) == (EOS,)

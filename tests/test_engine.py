@@ -165,7 +165,7 @@ def test_a_failing_admit_fails_only_its_request():
 
 
 def test_admission_joins_the_running_batch_once():
-    "Newcomers in several prefill groups are merged with each other, then with the running rows once (one copy of them)."
+    "Newcomers in several prefill groups are merged with each other, then with the running rows once."
     engine = TorchEngine(tiny_dense(), seed=0)
     merges, real = [], SlotCache.merge
     def merge(a, b, headroom=0):
@@ -173,7 +173,8 @@ def test_admission_joins_the_running_batch_once():
         return real(a, b, headroom)
 
     async def go():
-        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=300))) for i in range(8)]
+        long = SamplingParams(max_tokens=300)
+        running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(8)]
         await sampled(engine, 16)
         await engine.pause() # three newcomers, one per length bucket: three prefills
         late = [asyncio.create_task(engine.generate([5] * n, SamplingParams(max_tokens=4))) for n in (3, 100, 300)]
@@ -189,7 +190,7 @@ def test_admission_joins_the_running_batch_once():
 
 
 def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its_rows():
-    "Rows held across a load are re-prefilled once, before they decode again; a refill group that raises fails alone."
+    "Rows held across a load are re-prefilled once, before they next decode; a refill group that raises fails alone."
     model = tiny_dense()
     engine = TorchEngine(copy.deepcopy(model), seed=0)
     new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
@@ -202,7 +203,8 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
     engine._prefill = prefill
 
     async def go():
-        tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=60))) for p in ([1, 2, 3], [4] * 200)]
+        sp = SamplingParams(max_tokens=60)
+        tasks = [asyncio.create_task(engine.generate(p, sp)) for p in ([1, 2, 3], [4] * 200)]
         await sampled(engine, 10)
         await engine.pause()
         items = list(new.items())
@@ -218,4 +220,5 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
     model.load_state_dict(new)
     logits = full_forward(model, [1, 2, 3], short)[0][2:-1]
     after = short.versions == 1
-    torch.testing.assert_close(short.logprobs[after], token_logprobs(logits, short.token_ids)[after], atol=1e-5, rtol=0)
+    want = token_logprobs(logits, short.token_ids)
+    torch.testing.assert_close(short.logprobs[after], want[after], atol=1e-5, rtol=0)
