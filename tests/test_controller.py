@@ -109,7 +109,7 @@ run.set_estimator(loo_unscaled)
 try: run.set_estimator(broken); rejected = None
 except SwapRejected as e: rejected = str(e)
 run.resume()
-run.wait(until_step=paused_at + 3, timeout=300)
+run.wait(until_step=paused_at + 4, timeout=300)  # a step is counted before its metrics row is logged: one more
 after = run.metrics()
 swaps = run.swaps()
 status = run.status()
@@ -180,7 +180,7 @@ ckpt = json.loads((Path(run.checkpoint()) / 'state.json').read_text())['step']
 run.kill()  # orchestrator and trainer: their processes die with what they had registered
 until(lambda: not {{'res', 'res/trainer'}} & named(), 'the killed actors released their names')
 run = launch(cfg, name='res', resume=True)  # fresh actors, given the config the run was launched with (grpo)
-run.wait(until_step=ckpt + 2, timeout=300)
+run.wait(until_step=ckpt + 3, timeout=300)  # a step is counted before its metrics row is logged: one more
 m = run.metrics()
 m = m[m.step > ckpt]
 algo = ray.get(ray.get_actor('res/trainer', namespace=NAMESPACE).algo.remote())
