@@ -133,30 +133,55 @@ class Trainer:
     def optimizer_state(self) -> dict: return self.actor.opt.state_dict()
 
 # %% ../nbs/13_loop.ipynb #fc537231
-def check_token_identity(trajectories:list, # the rollouts of a batch, in collate order
+def _first_diff(a:torch.Tensor, b:torch.Tensor) -> int|None:
+    "The first index of dim 0 where `a` and `b` differ (where the shorter one ends, if it is a prefix); None if equal"
+    n = min(len(a), len(b))
+    d = (a[:n] != b[:n].to(a.dtype)).reshape(n, -1).any(1).nonzero()
+    return int(d[0]) if len(d) else None if len(a) == len(b) else n
+
+def _value(t:torch.Tensor, i:int) -> str: return 'nothing' if i >= len(t) else str(t[i].tolist())
+
+def check_token_identity(trajectories:list, # the rollouts of a batch, in collate order (failed ones are skipped, as collate skips them)
                          generations:dict, # rollout id -> the engine's Generations for it, in order
                          batch, # collate(trajectories)
                         ) -> int:
-    "Raise if a trained token's id, behaviour logprob, version or MoE route differs from what the engine returned; the number checked"
+    """Raise if a trained token's id, behaviour logprob, version or MoE route differs from what the engine returned, or
+    a batch row from its segment, naming the rollout, the batch row, the token position and the field; the number checked"""
+    trajectories = [t for t in trajectories if t.error is None]
+    n_segs = sum(len(t.segments) for t in trajectories)
+    if len(batch) != n_segs:
+        raise AssertionError(f"the batch has {len(batch)} rows for the {n_segs} segments of its rollouts: a segment was dropped or added after collate")
     row, checked = 0, 0
     for tr in trajectories:
         gens = generations.get(tr.rollout_id)
         if gens is None: raise AssertionError(f"rollout {tr.rollout_id!r}: no engine generations were recorded for it")
-        sampled = [torch.cat([getattr(g, k) for g in gens]) if gens else torch.zeros(0) for k in ('token_ids', 'logprobs', 'versions')]
-        trained = [torch.cat([getattr(s, k)[s.action_mask] for s in tr.segments]) for k in ('token_ids', 'logprobs', 'versions')]
-        for name, a, b in zip(('id', 'logprob', 'version'), sampled, trained):
-            if a.shape != b.shape or not torch.equal(a.to(b.dtype), b):
-                raise AssertionError(f"rollout {tr.rollout_id!r}: trained token {name}s differ from the engine's ({len(b)} trained, {len(a)} sampled)")
+        # each trained (action) token's place: its batch row and its position in that row
+        where = [(row + j, int(p)) for j, s in enumerate(tr.segments) for p in s.action_mask.nonzero()[:, 0]]
+        def fail(k:int, field:str, trained:torch.Tensor, sampled:torch.Tensor):
+            at = f"batch row {where[k][0]}, position {where[k][1]}" if k < len(where) else f"after its last trained token (batch row {where[-1][0] if where else row})"
+            raise AssertionError(f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {field} is {_value(trained, k)}, the engine sampled {_value(sampled, k)} "
+                                 f"({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped or added tokens it was given")
+        for k, field in (('token_ids', 'token id'), ('logprobs', 'logprob'), ('versions', 'version')):
+            sampled = torch.cat([getattr(g, k) for g in gens]) if gens else torch.zeros(0)
+            trained = torch.cat([getattr(s, k)[s.action_mask] for s in tr.segments])
+            if (i := _first_diff(trained, sampled)) is not None: fail(i, field, trained, sampled)
         if gens and gens[0].routes is not None:
-            routed = torch.cat([g.routes[g.prompt_len:] for g in gens])
-            if any(s.routes is None for s in tr.segments) or not torch.equal(routed, torch.cat([s.routes[s.action_mask] for s in tr.segments])):
-                raise AssertionError(f"rollout {tr.rollout_id!r}: the routes of its sampled tokens differ from the engine's")
-        for s in tr.segments:
-            n = len(s)
-            same = (torch.equal(batch.input_ids[row, :n], s.token_ids) and torch.equal(batch.action_mask[row, :n - 1], s.action_mask[1:])
-                    and torch.equal(batch.logprobs[row, :n - 1], s.logprobs[1:]) and torch.equal(batch.versions[row, :n - 1], s.versions[1:])
-                    and (s.routes is None or torch.equal(batch.routes[row, :n], s.routes)))
-            if not same: raise AssertionError(f"rollout {tr.rollout_id!r}: batch row {row} differs from its segment")
+            if any(s.routes is None for s in tr.segments): raise AssertionError(f"rollout {tr.rollout_id!r}: the engine returned MoE routes and a segment has none")
+            sampled, trained = torch.cat([g.routes[g.prompt_len:] for g in gens]), torch.cat([s.routes[s.action_mask] for s in tr.segments])
+            if (i := _first_diff(trained, sampled)) is not None: fail(i, 'route (experts per layer)', trained, sampled)
+        for j, s in enumerate(tr.segments):
+            n, T = len(s), batch.input_ids.shape[1]
+            if batch.rollout_ids[row] != tr.rollout_id or int(batch.segment_index[row]) != j:
+                raise AssertionError(f"rollout {tr.rollout_id!r} segment {j}: batch row {row} holds rollout {batch.rollout_ids[row]!r} segment {int(batch.segment_index[row])} (rows out of order)")
+            pad = lambda v, size: torch.cat([v, v.new_zeros(size - len(v), *v.shape[1:])])
+            # (field, offset of its position from the token's, the row, the segment's values padded as collate pads)
+            fields = [('token id', 0, batch.input_ids[row], pad(s.token_ids, T)), ('attention mask', 0, batch.attention_mask[row], pad(torch.ones(n, dtype=torch.bool), T)),
+                      *[(f, 1, getattr(batch, k)[row], pad(getattr(s, k)[1:], T - 1)) for f, k in (('action mask', 'action_mask'), ('logprob', 'logprobs'), ('version', 'versions'))]]
+            if s.routes is not None: fields.append(('route', 0, batch.routes[row, :n], s.routes))
+            for field, shift, got, want in fields:
+                if (p := _first_diff(got, want)) is not None:
+                    raise AssertionError(f"rollout {tr.rollout_id!r} segment {j}: batch row {row}, position {p + shift}: {field} is {_value(got, p)}, "
+                                         f"the segment's is {_value(want, p)} (the row was shifted or changed after collate)")
             row, checked = row + 1, checked + int(s.action_mask.sum())
     return checked
 
