@@ -155,9 +155,9 @@ def check_token_identity(trajectories:list, # the rollouts of a batch, in collat
     for tr in trajectories:
         gens = generations.get(tr.rollout_id)
         if gens is None: raise AssertionError(f"rollout {tr.rollout_id!r}: no engine generations were recorded for it")
-        # each trained (action) token's place: its batch row and its position in that row
-        where = [(row + j, int(p)) for j, s in enumerate(tr.segments) for p in s.action_mask.nonzero()[:, 0]]
-        def fail(k:int, field:str, trained:torch.Tensor, sampled:torch.Tensor):
+        def fail(k:int, field:str, trained:torch.Tensor, sampled:torch.Tensor, row=row, tr=tr):
+            # each trained (action) token's place: its batch row and its position in that row
+            where = [(row + j, int(p)) for j, s in enumerate(tr.segments) for p in s.action_mask.nonzero()[:, 0]]
             at = f"batch row {where[k][0]}, position {where[k][1]}" if k < len(where) else f"after its last trained token (batch row {where[-1][0] if where else row})"
             raise AssertionError(f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {field} is {_value(trained, k)}, the engine sampled {_value(sampled, k)} "
                                  f"({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped or added tokens it was given")
