@@ -56,14 +56,14 @@ check-export: setup
 ## make golden-check: diff every golden case with its stored outputs; each changed case is shown token by token,
 ## and the exit status is 1 if any changed.
 golden-check: setup
-	$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main())'
+	@$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main())'
 
 ## make golden: record new golden cases and show the diff of changed ones, which stay as stored unless accepted:
 ## `make golden ACCEPT=adv/grpo,ppo` (or ACCEPT=all) after a deliberate change; commit the JSON. Values within
 ## tolerance of the stored ones are never rewritten, so a clean checkout stays clean.
 ACCEPT ?=
 golden: setup
-	$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main(update=True, accept="$(ACCEPT)"))'
+	@$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main(update=True, accept="$(ACCEPT)"))'
 
 readme: setup
 	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --output README --output-dir . --log-level=ERROR
