@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: golden run test setup check-clean check-export check-readme nbtest nbval pytest readme
+.PHONY: golden golden-check run test setup check-clean check-export check-readme nbtest nbval pytest readme
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ run: setup
 
 ## make test: every step of the suite, each reported as it ends even when an earlier one failed; then a summary,
 ## a check that the suite changed no file of the checkout, and pytest's summary line last. Non-zero if any failed.
-STEPS := check-clean check-export check-readme nbval pytest
+STEPS := check-clean check-export check-readme golden-check nbval pytest
 
 test: setup
 	@.ci/steps $(STEPS)
@@ -53,9 +53,17 @@ check-clean: setup
 check-export: setup
 	$(call unchanged,molt_nb -name '*.py',$(BIN)/nbdev-export,molt_nb/ differs from what the notebooks export: commit the export and never edit molt_nb/ by hand.)
 
-## make golden: record the outputs of every golden case (after a deliberate change to an algorithm; commit the JSON).
+## make golden-check: diff every golden case with its stored outputs; each changed case is shown token by token,
+## and the exit status is 1 if any changed.
+golden-check: setup
+	@$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main())'
+
+## make golden: record new golden cases and show the diff of changed ones, which stay as stored unless accepted:
+## `make golden ACCEPT=adv/grpo,ppo` (or ACCEPT=all) after a deliberate change; commit the JSON. Values within
+## tolerance of the stored ones are never rewritten, so a clean checkout stays clean.
+ACCEPT ?=
 golden: setup
-	$(BIN)/python -c 'from molt_nb.golden import update_golden; print(*update_golden(), sep="\n")'
+	@$(BIN)/python -c 'import sys; from molt_nb.golden import golden_main; sys.exit(golden_main(update=True, accept="$(ACCEPT)"))'
 
 readme: setup
 	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --output README --output-dir . --log-level=ERROR

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['GOLDEN_VERSION', 'GOLDEN_CASES', 'GOLDEN_MODULES', 'Golden', 'golden', 'GoldenDiff', 'golden_dir', 'golden_diff',
-           'golden_case', 'check_golden', 'record_golden', 'update_golden']
+           'golden_case', 'check_golden', 'record_golden', 'check_all_golden', 'update_golden', 'golden_main']
 
 # %% ../nbs/06_golden.ipynb #d6f5bbb7
 import importlib, importlib.util, json, os, tempfile
@@ -112,14 +112,19 @@ def _where(shape:tuple, batch:Batch|None) -> tuple:
     return ['index'], lambda i: (tuple(int(j) for j in torch.unravel_index(torch.tensor(i), shape)) if len(shape) > 1 else i,)
 
 # %% ../nbs/06_golden.ipynb #490bc13c
+def _same(stored:Tensor, now:Tensor) -> Tensor:
+    "Which values of `now` (flattened) match `stored`: 1e-5 relative, 1e-7 of the largest stored magnitude absolute"
+    a, b = stored.flatten().double(), now.flatten().double()
+    scale = a[a.isfinite()].abs().max().item() if a.isfinite().any() else 0.
+    return torch.isclose(a, b, rtol=1e-5, atol=1e-7 * scale, equal_nan=True)
+
 def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) -> str|None:
     "A readable account of how `now` differs from `stored`, or None if it does not"
     if tuple(stored.shape) != tuple(now.shape): return f"{name}: shape changed from {tuple(stored.shape)} to {tuple(now.shape)}"
     if stored.dtype != now.dtype: return f"{name}: dtype changed from {str(stored.dtype).removeprefix('torch.')} to {str(now.dtype).removeprefix('torch.')}"
-    a, b = stored.flatten().double(), now.flatten().double()
-    scale = a[a.isfinite()].abs().max().item() if a.isfinite().any() else 0.
-    same = torch.isclose(a, b, rtol=1e-5, atol=1e-7 * scale, equal_nan=True)
+    same = _same(stored, now)
     if same.all(): return None
+    a, b = stored.flatten().double(), now.flatten().double()
     idx = (~same).nonzero()[:, 0]
     cols, where = _where(tuple(now.shape), batch)
     rows = [(*where(i), a[i].item(), b[i].item()) for i in idx[:show].tolist()]
@@ -186,18 +191,70 @@ def check_golden(name:str, show:int=8) -> GoldenDiff:
     return golden_diff(name, _case(name)(golden()), show=show)
 
 # %% ../nbs/06_golden.ipynb #e5a0e067
+def _keep_close(stored:dict|None, now) -> dict:
+    "`now` encoded, keeping each stored value that it matches within tolerance, so float noise changes no byte"
+    new, now = _encode(now), torch.as_tensor(now).detach().cpu()
+    if stored is None or (stored['shape'], stored['dtype']) != (new['shape'], new['dtype']): return new
+    same = _same(_decode(stored), now).tolist()
+    kept = dict(new, values=[s if k else v for s, v, k in zip(stored['values'], new['values'], same)])
+    return kept if _same(_decode(kept), now).all() else new  # kept values also set the tolerance's scale
+
 def record_golden(name:str, outputs:dict):
-    "Store `outputs` as the golden outputs of `name`, atomically (write, then rename)"
-    golden_dir().mkdir(exist_ok=True)
+    "Store `outputs` as the golden outputs of `name`, keeping stored values within tolerance; atomic (write, rename)"
     outputs = outputs if isinstance(outputs, dict) else {'out': outputs}
+    stored = json.loads(_file(name).read_text()) if _file(name).exists() else {}
+    new = {k: _keep_close(stored.get(k), v) for k, v in outputs.items()}
+    if new == stored: return
+    golden_dir().mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=golden_dir(), suffix='.tmp')
-    with os.fdopen(fd, 'w') as f: json.dump({k: _encode(v) for k, v in outputs.items()}, f, indent=0)
+    with os.fdopen(fd, 'w') as f: json.dump(new, f, indent=0)
     os.replace(tmp, _file(name))
 
-def update_golden(names:list|None=None) -> list:
-    "Record the outputs of the golden cases `names` (all registered and built-in ones by default)"
+# %% ../nbs/06_golden.ipynb #02655941
+def _builtin_cases() -> list:
+    "Every registered case, sorted, after importing the modules that register the built-in ones"
     for m in GOLDEN_MODULES:
         if importlib.util.find_spec(m): importlib.import_module(m)
-    names = sorted(GOLDEN_CASES) if names is None else names
-    for n in names: record_golden(n, _case(n)(golden()))
-    return names
+    return sorted(GOLDEN_CASES)
+
+def _unstored(name:str) -> GoldenDiff:
+    return GoldenDiff(name, {'stored': f"no stored outputs: `make golden` records them; commit {_file(name).name}"})
+
+def check_all_golden(show:int=8) -> dict:
+    "Diff every golden case (built-in ones included) with its stored outputs: name -> `GoldenDiff`"
+    return {n: check_golden(n, show) if _file(n).exists() else _unstored(n) for n in _builtin_cases()}
+
+def update_golden(names:list|None=None, # the cases to update; all registered and built-in ones by default
+                  accept:list=(), # changed cases whose new outputs are stored; 'all' accepts every one
+                  show:int=8, # most changed values listed per output
+                 ) -> dict:
+    "Record new cases and the accepted changed ones: name -> its `GoldenDiff` before the update, None if new"
+    known = _builtin_cases()
+    unknown = sorted(set(accept) - {'all'} - set(known))
+    if unknown: raise KeyError(f"no golden case {unknown} to accept; known: {known}")
+    diffs = {}
+    for n in known if names is None else names:
+        outputs = _case(n)(golden())
+        diffs[n] = golden_diff(n, outputs, show=show) if _file(n).exists() else None
+        if diffs[n] is None or (diffs[n] and ('all' in accept or n in accept)): record_golden(n, outputs)
+    return diffs
+
+# %% ../nbs/06_golden.ipynb #811a57da
+def golden_main(update:bool=False, # record new and accepted cases (`make golden`); False only checks
+                accept:str='', # changed cases to overwrite, comma-separated, or 'all' (`make golden ACCEPT=...`)
+               ) -> int:
+    "Print each changed golden case's diff and what was done; the exit status: 1 if a case is left changed"
+    accept = [a.strip() for a in accept.split(',') if a.strip()]
+    diffs = update_golden(accept=accept) if update else check_all_golden()
+    new, changed = [n for n, d in diffs.items() if d is None], [n for n, d in diffs.items() if d]
+    left = [n for n in changed if not (update and ('all' in accept or n in accept))]
+    for n in changed: print(repr(diffs[n]), end='\n\n')
+    if new: print(f"recorded {len(new)} new case(s): {', '.join(new)}; commit {', '.join(_file(n).name for n in new)}")
+    if len(left) < len(changed):
+        print(f"stored the changed values of {', '.join(n for n in changed if n not in left)}; commit the JSON")
+    if left:
+        print(f"{len(left)} of {len(diffs)} golden cases changed{' and were NOT written' if update else ''}: "
+              f"{', '.join(left)}. Fix the code, or if the change is intended, store it with "
+              f"`make golden ACCEPT={','.join(left)}` (or ACCEPT=all) and commit the JSON")
+    elif not new and not changed: print(f"all {len(diffs)} golden cases match their stored outputs")
+    return int(bool(left))
