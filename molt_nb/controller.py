@@ -209,7 +209,8 @@ ENDED = ('finished', 'stopped', 'failed') # states of a run whose loop is over
 
 def _one_line(e:BaseException) -> str:
     "`e` as 'Type: the first line of its message' (a Ray task error as the error it wraps)"
-    e = getattr(e, 'cause', None) or e
+    cause = getattr(e, 'cause', None)
+    e = cause if isinstance(cause, BaseException) else e
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
@@ -238,7 +239,7 @@ class RunOrchestrator(Orchestrator):
         try: await self.run(); self.state = 'stopped' if self.stop_requested else 'finished'
         except BaseException as e:
             self.state, self.error, self.traceback = 'failed', _one_line(e), ''.join(traceback.format_exception(e))
-            self.reason = (f"{self.error} (while training step {self.step + 1}; status()['traceback'] has the traceback). Its metrics and "
+            self.reason = (f"{self.error} (after step {self._logged()}; status()['traceback'] has the traceback). Its metrics and "
                            f"checkpoints stay in {self.cfg.run_dir}: run.kill() frees the name, launch(cfg, resume=True) continues from the last checkpoint")
             if not isinstance(e, Exception): raise
         finally: self.close()

@@ -256,6 +256,6 @@ def test_resume_restores_hot_swaps(ray_head, tmp_path):
     assert [k[:2] for k in table] == [['estimator', 'quarter'], ['reward', 'plus_ten']] and all(k[2] <= ckpt for k in table)
     # its trainer killed, the run failed: wait() says so in a line or two, stop() and a swap are refused saying it failed
     assert out['waited'].startswith("run 'res' failed: ") and len(out['waited'].splitlines()) <= 2 and 'Traceback' not in out['waited']
-    assert 'while training step' in out['waited'] and 'resume=True' in out['waited']
+    assert 'Error: ' in out['waited'] and '(after step ' in out['waited'] and 'resume=True' in out['waited']
     assert out['stopped'].startswith("run 'res' had already failed, so there was nothing to stop")
     assert "is failed (" in out['refused'] and 'would never take effect' in out['refused']
