@@ -191,7 +191,14 @@ def install(actor, swap:Swap):
 class RunTrainer(Trainer):
     "A `Trainer` that installs swaps at step boundaries, and reports a swapped function that fails in a step"
     def train_step(self, batch, swaps:list=()) -> dict:
-        for s in swaps: install(self.actor, s)
+        failed = None
+        for s in swaps:
+            # a function that cannot be unpickled here (a module only the notebook's machine has) fails like one that raises
+            try: install(self.actor, s)
+            except Exception as e:
+                if s.kind == 'config': raise
+                failed = failed or dict(kind=s.kind, key=s.key, reason=f"the trainer could not install it ({type(e).__name__}: {e})")
+        if failed: return dict(failed=failed)
         try: return Trainer.train_step(self, batch)
         except SwapFailed as e: return dict(failed=dict(kind=e.kind, key=e.key, reason=e.reason))
         except FloatingPointError as e:
@@ -201,7 +208,10 @@ class RunTrainer(Trainer):
             if kind is None: raise
             return dict(failed=dict(kind=kind, key=a.loss.policy_loss if kind == 'loss' else a.estimator, reason=f"{type(e).__name__}: {e}"))
 
-    def go_back(self, kind:str, key:str): self.actor.algo = _with(self.actor.algo, kind, key)
+    def go_back(self, kind:str, key:str, back:str):
+        "Make `back` the estimator or policy loss again where `key` (which failed) is the one in use"
+        a = self.actor.algo
+        if (a.estimator if kind == 'estimator' else a.loss.policy_loss) == key: self.actor.algo = _with(a, kind, back)
     def algo(self): return self.actor.algo
 
 # %% ../nbs/15_controller.ipynb #85f59bf5
@@ -375,7 +385,7 @@ async def _go_back(self:RunOrchestrator, failed:dict, step:int, work:dict):
     else:
         if (self.cfg.algo.estimator if s.kind == 'estimator' else self.cfg.algo.loss.policy_loss) == s.key:
             self.cfg = replace(self.cfg, algo=_with(self.cfg.algo, s.kind, back))
-        await self._call('go_back', s.kind, back)
+        await self._call('go_back', s.kind, s.key, back)
     work['failures'].append(s)
     was = "the environment's reward" if back is None else repr(getattr(self._swap_named(back), 'name', back))
     self.failed_swap = f"{s.kind} {s.name!r}"
