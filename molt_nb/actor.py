@@ -185,13 +185,20 @@ def _live_rows(self:PolicyActor, batch:Batch, adv:Tensor) -> list:
 
 @patch
 def train_step(self:PolicyActor, batch:Batch) -> StepResult:
-    "One optimizer step on `batch`; the weights become version `self.version + 1`"
-    adv = self.advantages(batch)
-    live = self._live_rows(batch, adv)
-    metrics, old, routes = self._accumulate(batch, adv, live)
-    unreplayed = self._unreplayed(batch, live) if routes is not None and self.routing.replay and self.routing.compare and live else None
-    params = [p for g in self.opt.param_groups for p in g['params']]
-    norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf)
+    "One optimizer step on `batch`; the weights become version `self.version + 1`. A step that raises changes nothing"
+    try:
+        adv = self.advantages(batch)
+        live = self._live_rows(batch, adv)
+        metrics, old, routes = self._accumulate(batch, adv, live)
+        unreplayed = self._unreplayed(batch, live) if routes is not None and self.routing.replay and self.routing.compare and live else None
+        params = [p for g in self.opt.param_groups for p in g['params']]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf)
+        if not norm.isfinite(): raise FloatingPointError(f"the gradient norm is {float(norm)}: the loss of this batch has a non-finite gradient somewhere, so the optimizer step was skipped")
+    except BaseException:
+        # gradients of the micro-batches done so far would be added to the next step's: drop them (weights, optimizer
+        # and step count are untouched until opt.step below)
+        self.opt.zero_grad(set_to_none=True)
+        raise
     lr = self.opt.param_groups[0]['lr']
     self.opt.step(); self.scheduler.step(); self.opt.zero_grad(set_to_none=True)
     weights, keep, is_metrics = self._correction(batch, old, live)

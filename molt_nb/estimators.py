@@ -6,15 +6,15 @@
 __all__ = ['ESTIMATORS', 'BUILTIN_ESTIMATORS', 'AdvantageInput', 'advantage_input', 'rollout_rewards', 'group_stats', 'to_tokens',
            'Estimator', 'estimator', 'get_estimator', 'whitened', 'compute_advantages', 'grpo', 'dr_grpo',
            'reinforce_baseline', 'rloo', 'discounted', 'token_rewards', 'reinforce', 'gae', 'gae_returns',
-           'on_policy_distill', 'golden_input']
+           'on_policy_distill', 'golden_input', 'degenerate_rollouts', 'degenerate_goldens']
 
 # %% ../nbs/07_estimators.ipynb #7c3be81a
 from dataclasses import dataclass, replace
 from typing import Callable
 import torch
 from torch import Tensor
-from .core import Batch, check_registration
-from .golden import golden_case
+from .core import Batch, Trajectory, check_registration, collate
+from .golden import Golden, golden_case, _ROLLOUTS, _segment
 
 # %% ../nbs/07_estimators.ipynb #03ad8657
 @dataclass(eq=False)
@@ -256,3 +256,43 @@ def _distill_half(g): return dict(advantages=compute_advantages(replace(golden_i
 
 @golden_case('adv/gae_returns')
 def _gae_returns(g): return dict(returns=gae_returns(golden_input(g)))
+
+# %% ../nbs/07_estimators.ipynb #73618393
+def _observed(segments:list) -> list:
+    "The golden segment pieces with every action piece turned into observation tokens"
+    return [[('o', n) for _, n, *_ in pieces] for pieces in segments]
+
+def _rollouts(spec:list) -> list:
+    "`Trajectory`s from golden-style (group, reward, segments) tuples, numbered `{group}/r{i}`"
+    out, seen = [], {}
+    for i, (group, reward, segments) in enumerate(spec):
+        n = seen[group] = seen.get(group, -1) + 1
+        segs = [_segment(p, 10 * i + j) for j, p in enumerate(segments)]
+        out.append(Trajectory(f"{group}/r{n}", group, int(group[1:]), segments=segs, reward=reward))
+    return out
+
+def degenerate_rollouts(long_tokens:int=2048, # action tokens of the long rollout
+                       ) -> dict:
+    "The golden rollouts made degenerate the ways real batches are: case name -> list of `Trajectory`"
+    masked = list(_ROLLOUTS)
+    masked[0] = (*masked[0][:2], _observed(masked[0][2])) # a rollout with no action token
+    group, reward, (first, second) = masked[2]
+    masked[2] = (group, reward, [first, *_observed([second])]) # a compacted rollout whose second row has none
+    return {k: _rollouts(spec) for k, spec in dict(
+        equal_rewards=[(g, 1.0, s) for g, _, s in _ROLLOUTS],
+        one_sample_groups=[(f"g{i}", r, s) for i, (_, r, s) in enumerate(_ROLLOUTS)],
+        masked_rows=masked,
+        long=[*_ROLLOUTS, ('g1', 0.5, [[('o', 3), ('a', long_tokens, 5)]])]).items()}
+
+def _golden_of(batch:Batch, seed:int=0) -> Golden:
+    "A `Golden` of `batch`, its per-token fields in the ranges `golden()` uses (drawn by torch: only finiteness is checked on them)"
+    gen, act = torch.Generator().manual_seed(seed), batch.action_mask
+    u = lambda lo, hi: lo + (hi - lo) * torch.rand(act.shape, generator=gen)
+    logp = torch.where(act, batch.logprobs + u(-0.05, 0.05), 0.)
+    return Golden(batch, logp, logp_new=torch.where(act, logp + u(-0.4, 0.4), 0.),
+                  logp_ref=torch.where(act, batch.logprobs + u(-0.3, 0.1), 0.),
+                  logp_teacher=torch.where(act, batch.logprobs + u(-0.5, 0.5), 0.), values=u(0., 1.))
+
+def degenerate_goldens(long_tokens:int=2048) -> dict:
+    "Case name -> `Golden` of each of `degenerate_rollouts`: what swapped estimators and losses are checked on besides the golden batch"
+    return {k: _golden_of(collate(trs)) for k, trs in degenerate_rollouts(long_tokens).items()}

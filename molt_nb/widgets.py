@@ -289,6 +289,7 @@ class Dashboard:
         cfg = self.source.config()
         self.level = cfg.get('algo', {}).get('loss', {}).get('is_correction', {}).get('level', 'off')
         self._lock, self._local, self._stop, self.thread, self.errors, self._rows = threading.RLock(), threading.local(), threading.Event(), None, [], {}
+        self.run_status = {} # the run's last status, when it is not stepping: its state and why (a pause, a failed swap, a failure)
         self._build()
         self.refresh()
         if live if live is not None else not isinstance(self.source, StoreSource):
@@ -350,14 +351,21 @@ def _header(self:Dashboard):
     newest = int(m.step.max()) if len(m) else -1
     reward = f" | reward {m.reward.iloc[-1]:.3f}" if len(m) and 'reward' in m else ''
     err = f' | <span class="molt-error" style="color:#b2182b">{len(self.errors)} errors, last: {html.escape(self.errors[-1])}</span>' if self.errors else ''
-    self.header.value = f'<div class="molt-status" data-step="{newest}"><b>step {max(newest, 0)}</b>{reward}{err}</div>'
+    st, state = self.run_status, ''
+    if st.get('state') not in (None, 'running'):
+        why = f": {html.escape(st['reason'])}" if st.get('reason') else ''
+        state = f' | <span class="molt-state" data-state="{st["state"]}" style="color:{"#b2182b" if st.get("failed_swap") or st["state"] == "failed" else "#555"}">{st["state"]}{why}</span>'
+    self.header.value = f'<div class="molt-status" data-step="{newest}"><b>step {max(newest, 0)}</b>{reward}{state}{err}</div>'
 
 @patch
 def poll_once(self:Dashboard) -> bool:
     "One poll: take in new steps; when none came, ask whether the run has ended (one call a poll while it steps); whether to go on"
     try:
         if self.refresh(): return True
-        if self.source.status()['state'] not in ('finished', 'stopped', 'failed'): return True
+        st = self.source.status()
+        if {k: st.get(k) for k in ('state', 'reason')} != {k: self.run_status.get(k) for k in ('state', 'reason')}:
+            with self._own(): self.run_status = st; self._header()
+        if st['state'] not in ('finished', 'stopped', 'failed'): return True
         self.refresh(); return False
     except Exception as e:
         with self._own(): self._error(e)
@@ -377,6 +385,7 @@ def refresh(self:Dashboard) -> bool:
         if last() is not None: new = new[new.step > last()] # a user's refresh may have taken some meanwhile
         if not len(new): return False
         self.metrics = pd.concat([self.metrics, new], ignore_index=True) if len(self.metrics) else new
+        if self.run_status.get('state') == 'paused': self.run_status = {} # it steps again
         self._header()
         self.curves.value = curves_html(self.metrics)
         if self._tab() == 'engines': self._draw_tab()

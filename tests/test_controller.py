@@ -85,7 +85,8 @@ time.sleep(3600)  # the test kills this driver while the run steps
 
 ATTACH = '''
 import json, time
-from molt_nb.controller import connect, attach, runs, SwapRejected
+import ray
+from molt_nb.controller import NAMESPACE, connect, attach, runs, SwapRejected
 connect({address!r})
 listed = runs()
 run = attach('ctl')
@@ -98,6 +99,20 @@ def loo_unscaled(x):
     return rloo(x)
 def broken(x):
     raise RuntimeError('a bug in the cell')
+def batch_normalised(x):  # fine on the golden batch, NaN on a batch whose rewards are all equal
+    from molt_nb.estimators import rollout_rewards, to_tokens
+    R = rollout_rewards(x)
+    return to_tokens(x, (R - R.mean()) / R.std())
+def hang(x):
+    while True: pass
+def flaky(x, calls=[]):  # passes every check (golden batches have 14 or 15 rows), breaks on its second batch of the run
+    from molt_nb.estimators import rloo
+    if len(x.rewards) not in (14, 15): calls.append(1)
+    if len(calls) >= 2: raise RuntimeError('flaky broke on a real batch')
+    return rloo(x)
+def refusal(fn, *args, **kw):
+    try: fn(*args, **kw)
+    except SwapRejected as e: return str(e)
 
 run.pause()
 deadline = time.time() + 300
@@ -106,18 +121,32 @@ while (st := run.status())['state'] != 'paused':
     time.sleep(0.2)
 paused_at = run.status()['step']
 run.set_estimator(loo_unscaled)
-try: run.set_estimator(broken); rejected = None
-except SwapRejected as e: rejected = str(e)
+rejected = refusal(run.set_estimator, broken)
+degenerate = refusal(run.set_estimator, batch_normalised)
+start = time.time()
+hung = refusal(run.set_estimator, hang, timeout=1)
+hang_s = time.time() - start
 run.resume()
-run.wait(until_step=paused_at + 4, timeout=300)  # a step is counted before its metrics row is logged: one more
+run.wait(until_step=paused_at + 3, timeout=300)
 after = run.metrics()
+run.set_estimator(flaky)
+failure = run.wait(timeout=300)  # returns when the run pauses for a failed swap
+algo = ray.get(ray.get_actor('ctl/trainer', namespace=NAMESPACE).algo.remote())
+run.resume()
+run.wait(until_step=failure['step'] + 2, timeout=300)
+resumed = run.metrics()
 swaps = run.swaps()
 status = run.status()
 run.stop(); final = run.wait(timeout=300)
+ended = refusal(run.set_estimator, loo_unscaled)
+row = resumed[resumed.step == failure['step'] + 1].iloc[0]
 print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=m.step.tolist(), steps=after.step.tolist(),
                       swap_steps=after.loc[after['swap/estimator'].notna(), 'step'].tolist(), swap_names=after['swap/estimator'].dropna().tolist(),
                       swap_source=after['swap/estimator/source'].dropna().tolist(), paused_at=paused_at, rejected=rejected,
-                      swap_table=swaps[['kind', 'name', 'step']].values.tolist(), state=status['state'], final=final['state'])))
+                      degenerate=degenerate, hung=hung, hang_s=hang_s, failure={{k: failure[k] for k in ('state', 'step', 'reason', 'failed_swap')}},
+                      trainer=algo.estimator, failed_row=[row.get('swap/failed'), row.get('swap/failed/reason')],
+                      resumed_steps=resumed.step.tolist(), swap_table=swaps[['kind', 'name', 'step', 'failed']].values.tolist(),
+                      state=status['state'], final=final['state'], ended=ended)))
 run.kill()
 '''
 
@@ -133,13 +162,27 @@ def test_launch_kill_driver_attach_and_hot_swap(ray_head, tmp_path):
     assert out['listed'] == ['ctl']
     assert out['first'] >= 2
     steps = out['steps']
-    assert steps == list(range(len(steps))) and steps[-1] >= out['paused_at'] + 3  # no step missing, from 0 (the first evaluation)
+    assert steps == list(range(len(steps))) and steps[-1] >= out['paused_at'] + 3  # no step missing, from 0; the row of the step waited for is there
     assert out['steps_at_attach'] == list(range(len(out['steps_at_attach'])))
     assert out['swap_steps'] == [out['paused_at'] + 1] and out['swap_names'] == ['loo_unscaled']  # took effect at the boundary after the pause
     assert 'def loo_unscaled(x):' in out['swap_source'][0]
     assert out['rejected'] and 'a bug in the cell' in out['rejected'] and 'keeps its estimator' in out['rejected']
-    assert out['swap_table'] == [['estimator', 'loo_unscaled', out['paused_at'] + 1]]  # the broken one never reached the run
+    assert 'fails on the golden batch with every reward equal' in out['degenerate'] and 'non-finite' in out['degenerate']
+    assert 'took over 1 s' in out['hung'] and out['hang_s'] < 10  # refused within its limit (and the Ray round trips)
+    # flaky broke at run time: the run went back to loo_unscaled, paused before that step and said why, in a line
+    f, broke = out['failure'], out['failure']['step'] + 1
+    assert f['state'] == 'paused' and f['failed_swap'] == "estimator 'flaky'" and '\n' not in f['reason']
+    assert f"failed at step {broke} (RuntimeError: flaky broke on a real batch)" in f['reason'] and "went back to 'loo_unscaled'" in f['reason']
+    assert out['trainer'] == 'swap/loo_unscaled'
+    assert out['failed_row'] == ['estimator flaky', f"step {broke}: RuntimeError: flaky broke on a real batch"]
+    resumed = out['resumed_steps']
+    assert resumed == list(range(len(resumed))) and resumed[-1] >= broke + 1  # resumed: the failed step trained, and the next
+    (_, _, loo_step, loo_failed), (_, _, flaky_step, flaky_failed) = out['swap_table']
+    assert loo_step == out['paused_at'] + 1 and not isinstance(loo_failed, str) and flaky_step < broke  # flaky ran fine for a step first
+    assert flaky_failed.startswith(f"step {broke}: RuntimeError")
+    assert [k[:2] for k in out['swap_table']] == [['estimator', 'loo_unscaled'], ['estimator', 'flaky']]  # the refused ones never reached the run
     assert out['state'] == 'running' and out['final'] == 'stopped'
+    assert "is stopped at step" in out['ended'] and 'would never take effect' in out['ended'] and 'resume=True' in out['ended']
 
 def test_ray_client_without_the_token_is_refused(ray_head):
     address, env, _ = ray_head
@@ -153,7 +196,7 @@ import json, time
 from pathlib import Path
 import ray, torch
 from molt_nb.config import load_config
-from molt_nb.controller import NAMESPACE, connect, launch
+from molt_nb.controller import NAMESPACE, SwapRejected, connect, launch
 connect({address!r})
 cfg = load_config({recipe!r}, ['loop.steps=100000', 'loop.mode="async"', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
 
@@ -180,14 +223,21 @@ ckpt = json.loads((Path(run.checkpoint()) / 'state.json').read_text())['step']
 run.kill()  # orchestrator and trainer: their processes die with what they had registered
 until(lambda: not {{'res', 'res/trainer'}} & named(), 'the killed actors released their names')
 run = launch(cfg, name='res', resume=True)  # fresh actors, given the config the run was launched with (grpo)
-run.wait(until_step=ckpt + 3, timeout=300)  # a step is counted before its metrics row is logged: one more
+run.wait(until_step=ckpt + 2, timeout=300)
 m = run.metrics()
 m = m[m.step > ckpt]
 algo = ray.get(ray.get_actor('res/trainer', namespace=NAMESPACE).algo.remote())
+ray.kill(ray.get_actor('res/trainer', namespace=NAMESPACE))  # the run fails at its next step
+try: run.wait(timeout=300); waited = None
+except RuntimeError as e: waited = str(e)
+try: run.stop(); stopped = None
+except RuntimeError as e: stopped = str(e)
+try: run.set_estimator(quarter); refused = None
+except SwapRejected as e: refused = str(e)
 print(json.dumps(dict(ckpt=ckpt, steps=m.step.tolist(), adv_mean=m['train/adv_mean'].tolist(), reward=m.reward.tolist(),
                       swapped=m.get('swap/estimator', m.step * 0).tolist(), rewarded=m.get('swap/reward', m.step * 0).tolist(),
                       trainer=algo.estimator, config=run.config()['algo']['estimator'],
-                      swap_table=run.swaps()[['kind', 'name', 'step']].values.tolist())))
+                      swap_table=run.swaps()[['kind', 'name', 'step']].values.tolist(), waited=waited, stopped=stopped, refused=refused)))
 run.kill()
 '''
 
@@ -204,3 +254,8 @@ def test_resume_restores_hot_swaps(ray_head, tmp_path):
     assert out['swapped'][0] == 'quarter' and out['rewarded'][0] == 'plus_ten'
     table = out['swap_table']  # each at the step it first took effect, before the checkpoint
     assert [k[:2] for k in table] == [['estimator', 'quarter'], ['reward', 'plus_ten']] and all(k[2] <= ckpt for k in table)
+    # its trainer killed, the run failed: wait() says so in a line or two, stop() and a swap are refused saying it failed
+    assert out['waited'].startswith("run 'res' failed: ") and len(out['waited'].splitlines()) <= 2 and 'Traceback' not in out['waited']
+    assert 'Error: ' in out['waited'] and '(after step ' in out['waited'] and 'resume=True' in out['waited']
+    assert out['stopped'].startswith("run 'res' had already failed, so there was nothing to stop")
+    assert "is failed (" in out['refused'] and 'would never take effect' in out['refused']
