@@ -419,6 +419,9 @@ async def run(self:Orchestrator) -> dict:
         self._flush()
     return row
 
+@patch
+def close(self:Orchestrator): self.engine.close()
+
 # %% ../nbs/13_loop.ipynb #1e42e4c3
 def start_ray(address:str='local', # 'local' starts a private Ray on this machine; or a cluster's address
               temp_dir:str|None=None, # where a local Ray keeps its sockets and logs (default a fresh temp dir)

@@ -106,6 +106,11 @@ def check_recipe(cfg:RunConfig, seconds:float=20.) -> RecipeParts:
     return parts
 
 # %% ../nbs/14_train.ipynb #d1d5e67f
+def _bar(total:float, unit:str, desc:str|None=None, show:bool=True):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit=unit, desc=desc, disable=not show, file=sys.stderr,
+                bar_format='{desc}{desc_pad}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]'.replace('{desc_pad}', ': ' if desc else ''))
+
 def warm_start(cfg:RunConfig, show:bool=False) -> tuple:
     "(checkpoint path, held-out accuracy) of the supervised warm start, saved under the run directory; `show`: a progress bar"
     w, module = cfg.warm_start, _module(cfg.agent_path)
@@ -142,11 +147,6 @@ def control(cfg:RunConfig, # the run's config, with model.path at the warm start
     return out
 
 # %% ../nbs/14_train.ipynb #9efca512
-def _bar(total:float, unit:str, desc:str|None=None, show:bool=True):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, unit=unit, desc=desc, disable=not show, file=sys.stderr,
-                bar_format='{desc}{desc_pad}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]'.replace('{desc_pad}', ': ' if desc else ''))
-
 def _show_failures(failures:dict, shown:set, run_dir):
     "Print the first traceback of each kind of failed rollout not shown yet"
     from tqdm.auto import tqdm
