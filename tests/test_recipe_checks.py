@@ -1,8 +1,9 @@
 """Deliberately broken recipes through the real `molt-nb train`: each mistake ends in seconds with a message that names it.
 
-Each case copies the parity recipe into a temporary directory and breaks one thing. Mistakes caught before Ray
-starts run as real `molt-nb` subprocesses, all at once; the cases that need a run share the session's Ray and
-call `cli.main` in a thread. A hang fails the test (a deadline on every call) instead of hanging the suite.
+Each case copies the parity recipe into a temporary directory and breaks one thing. One case runs the real
+`molt-nb` command in a subprocess; the others call `cli.main` in a thread of this process (no second import of
+torch; the cases that need a run share the session's Ray). A hang fails the test (a deadline on every call)
+instead of hanging the suite.
 """
 import json, os, re, subprocess, sys, threading, time
 from pathlib import Path
@@ -37,31 +38,6 @@ BEFORE_RAY = dict(
     bad_type=(None, ['warm_start.lr=1e-3x'], ["warm_start.lr is '1e-3x', expected a number"]),
 )
 
-@pytest.fixture(scope='module')
-def before_ray(tmp_path_factory):
-    "Every BEFORE_RAY case through the real command, run concurrently: name -> (exit code, stdout + stderr, seconds)"
-    root, procs = tmp_path_factory.mktemp('broken'), {}
-    for name, (edit, args, _) in BEFORE_RAY.items():
-        d = recipe(root, name, *(edit or ()))
-        procs[name] = (subprocess.Popen([str(MOLT), 'train', str(d), '--no-control', *args, f'run_dir="{root}/run_{name}"'],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, 'HF_HUB_OFFLINE': '1'}),
-                        time.monotonic())
-    out = {}
-    for name, (p, start) in procs.items():
-        try: text, _ = p.communicate(timeout=HANG_S)
-        except subprocess.TimeoutExpired:
-            p.kill(); text = p.communicate()[0] + f"\n<hung: killed after {HANG_S} s>"
-        out[name] = (p.returncode, text, time.monotonic() - start)
-    return out
-
-@pytest.mark.parametrize('name', BEFORE_RAY)
-def test_mistake_named_before_ray(before_ray, name):
-    code, text, seconds = before_ray[name]
-    assert code != 0 and seconds < LIMIT_S, (seconds, text)
-    for expected in BEFORE_RAY[name][2]: assert expected in text, text
-    assert 'Traceback' not in text, text  # a message, not a raw traceback
-    assert 'RL:' not in text  # nothing trained
-
 def run_cli(argv:list, capsys) -> tuple:
     "`molt-nb` in-process (sharing the session's Ray) under a deadline: (exit message or None, stdout, stderr, seconds)"
     result, start = {}, time.monotonic()
@@ -73,6 +49,28 @@ def run_cli(argv:list, capsys) -> tuple:
     captured = capsys.readouterr()
     assert not t.is_alive(), f"molt-nb {' '.join(map(str, argv))} hung for {HANG_S} s:\n{captured.err[-3000:]}"
     return result['exit'], captured.out, captured.err, time.monotonic() - start
+
+def test_reset_list_named_by_the_real_command(tmp_path):
+    "The real `molt-nb train` on an Env.reset returning a list: the check names it in seconds (it used to hang at 0/2 steps)"
+    d = recipe(tmp_path, 'reset_list', *BEFORE_RAY['reset_list'][0])
+    start = time.monotonic()
+    try: p = subprocess.run([str(MOLT), 'train', str(d), '--no-control', f'run_dir="{tmp_path}/run"'], capture_output=True, text=True,
+                            timeout=HANG_S, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
+    except subprocess.TimeoutExpired as e: pytest.fail(f"molt-nb train hung for {HANG_S} s:\n{e.stdout}\n{e.stderr}")
+    seconds = time.monotonic() - start
+    assert p.returncode != 0 and seconds < LIMIT_S, (seconds, p.stdout, p.stderr)
+    for expected in BEFORE_RAY['reset_list'][2]: assert expected in p.stderr, p.stderr
+    assert 'Traceback' not in p.stderr and 'RL:' not in p.stdout, (p.stdout, p.stderr)  # a message, not a raw traceback; nothing trained
+
+@pytest.mark.parametrize('name', BEFORE_RAY)
+def test_mistake_named_before_ray(tmp_path, capsys, name):
+    "Each mistake through `cli.main`, in this process: named, with no run started"
+    edit, args, expected = BEFORE_RAY[name]
+    d = recipe(tmp_path, name, *(edit or ()))
+    code, out, err, seconds = run_cli(['train', str(d), '--no-control', *args, f'run_dir="{tmp_path}/run"'], capsys)
+    assert code and seconds < LIMIT_S, (code, seconds)
+    for e in expected: assert e in code, code
+    assert 'Traceback' not in code and 'RL:' not in out  # a message, not a raw traceback; nothing trained
 
 def test_raising_reward_is_shown_counted_and_run_goes_on(ray_local, tmp_path, capsys):
     "A reward that raises on some inputs: those rollouts fail (dropped from training, 0 in evaluation), counted, first traceback shown"
