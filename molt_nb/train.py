@@ -109,7 +109,7 @@ def check_recipe(cfg:RunConfig, seconds:float=20.) -> RecipeParts:
 def _bar(total:float, unit:str, desc:str|None=None, show:bool=True):
     from tqdm.auto import tqdm
     return tqdm(total=total, unit=unit, desc=desc, disable=not show, file=sys.stderr,
-                bar_format='{desc}{desc_pad}{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]'.replace('{desc_pad}', ': ' if desc else ''))
+                bar_format='{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]')
 
 def warm_start(cfg:RunConfig, show:bool=False) -> tuple:
     "(checkpoint path, held-out accuracy) of the supervised warm start, saved under the run directory; `show`: a progress bar"
