@@ -72,7 +72,8 @@ def _check_demos(module, cfg:RunConfig, where:str):
     if not callable(demos): raise RecipeError(f"warm_start.demos={n} but {where} has no demos(n, seed): add one returning n (prompt, completion) text pairs, or set warm_start.demos=0")
     try: pairs = demos(n, seed)
     except Exception as e: raise RecipeError(f"demos({n}, {seed}) in {where} raised {type(e).__name__}: {e}") from e
-    if not (isinstance(pairs, (list, tuple)) and pairs and all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs)):
+    pair = lambda p: isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(s, str) for s in p)
+    if not (isinstance(pairs, (list, tuple)) and pairs and all(map(pair, pairs))):
         raise RecipeError(f"demos({n}, {seed}) in {where} returned {_shown(pairs)}, expected a non-empty list of (prompt, completion) string pairs")
 
 def _stand_in(cfg:RunConfig) -> tuple:
@@ -91,7 +92,8 @@ def check_recipe(cfg:RunConfig, seconds:float=20.) -> RecipeParts:
     model, tok = _stand_in(cfg)
     try: parts = recipe_parts(cfg, tok)
     except (AttributeError, TypeError) as e: raise RecipeError(str(e)) from e
-    tasks, seconds, engine = [('train', parts.train_tasks[0]), *(('eval', t) for t in parts.eval_tasks[:1])], min(seconds, cfg.rollout.timeout_s), TorchEngine(model, seed=cfg.loop.seed)
+    tasks = [('train', parts.train_tasks[0]), *(('eval', t) for t in parts.eval_tasks[:1])]
+    seconds, engine = min(seconds, cfg.rollout.timeout_s), TorchEngine(model, seed=cfg.loop.seed)
     async def one(i, task): return await _within(parts.runner.run(engine, task, parts.sampling, f"check{i}", f"check{i}", 0), seconds)
     async def both(): return await asyncio.gather(*[one(i, t) for i, (_, t) in enumerate(tasks)], return_exceptions=True)
     try: outcomes = run_sync(both())
