@@ -7,7 +7,7 @@ __all__ = ['Turn', 'Env', 'render', 'encode', 'turn_glue', 'StepEnvRunner', 'abs
            'ChatContext', 'ChatAgent', 'Judge', 'ChatAgentRunner']
 
 # %% ../nbs/05_agents.ipynb #9e4002e8
-import asyncio, importlib.util, inspect, sys, types
+import asyncio, importlib.util, inspect, reprlib, sys, types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,12 +101,22 @@ class RolloutAborted(RuntimeError):
     "The engine aborted the request (a pause that dropped requests in flight)"
 
 # %% ../nbs/05_agents.ipynb #87166cc5
+def _shown(value) -> str: return f"a {type(value).__name__} ({reprlib.repr(value)})"
+
+async def _env_call(env, method:str, *args):
+    "`await env.method(*args)`; a TypeError naming the method when it is not a coroutine"
+    out = getattr(env, method)(*args)
+    if not inspect.isawaitable(out): raise TypeError(f"{type(env).__name__}.{method} returned {_shown(out)} without being awaited: define it with `async def {method}(self, ...)`")
+    return await out
+
 @patch
-def _opening(self:StepEnvRunner, opening) -> tuple:
-    "The first messages of an episode and their prompt segment"
-    if not self.template and not isinstance(opening, str): raise ValueError(f"Env.reset returned a {type(opening).__name__}; a completion-style runner (template=False) needs the prompt as a string")
+def _opening(self:StepEnvRunner, opening, env:str='Env') -> tuple:
+    "The first messages of an episode and their prompt segment; `env` names the environment in errors"
+    if not self.template and not isinstance(opening, str): raise TypeError(f"{env}.reset returned {_shown(opening)}; a completion-style runner (template=False) needs the prompt as a string: return the prompt text, e.g. task['prompt']")
+    if not (isinstance(opening, str) or isinstance(opening, (list, tuple)) and all(isinstance(m, dict) and 'role' in m for m in opening)):
+        raise TypeError(f"{env}.reset returned {_shown(opening)}, expected a prompt string or the opening chat messages (a list of dicts with 'role' and 'content')")
     messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
-    if not messages: raise ValueError("Env.reset returned no messages: return the opening chat messages (or a prompt string)")
+    if not messages: raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
     ids = encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools) if self.template else opening)
     if len(ids) >= self.max_context: raise ValueError(f"the prompt has {len(ids)} tokens, not below StepEnvRunner.max_context={self.max_context}: raise max_context or shorten the task")
     return messages, Segment.prompt(ids)
@@ -119,7 +129,7 @@ async def run(self:StepEnvRunner, engine, # an `Engine` (or a router over engine
               rollout_id:str, group_id:str, prompt_index:int=0) -> Trajectory:
     "Run one episode and return its trajectory"
     env = self.env_factory()
-    messages, seg = self._opening(await env.reset(task))
+    messages, seg = self._opening(await _env_call(env, 'reset', task), type(env).__name__)
     sealed, reward, score, info, truncated = [], 0., None, {}, False
     for index in range(self.max_turns):
         room = self.max_context - len(seg)
@@ -128,7 +138,8 @@ async def run(self:StepEnvRunner, engine, # an `Engine` (or a router over engine
         if gen.finish_reason == 'abort': raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
         seg = absorb(seg, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        result = await env.step(Turn(text, gen.token_ids, gen.finish_reason, index, messages + [dict(role='assistant', content=text)], task))
+        result = await _env_call(env, 'step', Turn(text, gen.token_ids, gen.finish_reason, index, messages + [dict(role='assistant', content=text)], task))
+        if not isinstance(result, Result): raise TypeError(f"{type(env).__name__}.step returned {_shown(result)}, expected a Result: return molt_nb.core.Result(reward=...)")
         reward, score, info = reward + result.reward, result.score, {**info, **result.info}
         if result.terminated or result.truncated: truncated = result.truncated; break
         if index == self.max_turns - 1: truncated = True; break

@@ -54,9 +54,17 @@ def _parser():
     s.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="train a recipe: warm start, RL on Ray, supervised control, accuracy table")
     t.add_argument("recipe", help="a recipe directory (with recipe.toml and agent.py), e.g. recipes/arith")
-    t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. loop.seed=1 loop.mode=sync")
+    t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. loop.seed=1 loop.mode=sync (flags may come anywhere)")
     t.add_argument("--no-control", action="store_true", help="skip the supervised control")
     return p
+
+def _parse(argv:list|None):
+    "The command's arguments; `train`'s overrides may come before and after its flags"
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra and args.command == "train" and not any(a.startswith("-") for a in extra): args.overrides += extra
+    elif extra: p.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 # %% ../nbs/17_cli.ipynb #64098730
 def _load(name:str, seed:int):
@@ -69,10 +77,14 @@ def _load(name:str, seed:int):
 def train_command(args):
     "`molt-nb train`: validate the config (before Ray starts), run the job, print the summary"
     from molt_nb.config import load_config
+    from molt_nb.loop import RecipeError
+    from molt_nb.pool import RunStopped
     from molt_nb.train import train
     try: cfg = load_config(args.recipe, args.overrides)
-    except ValueError as e: sys.exit(f"molt-nb train: bad config: {e}")
-    summary = train(cfg, with_control=not args.no_control)
+    except ValueError as e: sys.exit(f"molt-nb train: bad config: {e}\nFix the recipe's recipe.toml or the section.field=value overrides (every field is documented in molt_nb/config.py).")
+    try: summary = train(cfg, with_control=not args.no_control)
+    except RecipeError as e: sys.exit(f"molt-nb train: the recipe's agent module is broken: {e}\nrecipes/README.md says what an agent module must export and what each function returns.")
+    except RunStopped as e: sys.exit(f"molt-nb train: the run stopped: {e}\nIts metrics, samples and failures.json are in {cfg.run_dir}.")
     print(f"\nheld-out accuracy ({cfg.run_dir}):")
     print(summary.to_string(index=False, float_format=lambda x: f"{x:+.3f}" if x < 0 else f"{x:.3f}"))
     print(f"reward curve: {cfg.run_dir}/reward.png")
@@ -85,7 +97,7 @@ def _stop_ids(model, tokenizer) -> tuple:
 
 def main(argv:list|None=None):
     "Entry point of the `molt-nb` command."
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "train": return train_command(args)
     torch.manual_seed(args.seed)
     model, tok = _load(args.model, args.seed)

@@ -7,7 +7,7 @@ __all__ = ['LOOP_MODES', 'ENGINE_DTYPES', 'ModelConfig', 'WarmStartConfig', 'Rol
            'RunConfig', 'check', 'load_config', 'build_policy']
 
 # %% ../nbs/09_config.ipynb #1105c60e
-import dataclasses, tomllib
+import dataclasses, difflib, tomllib, types
 import transformers
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
@@ -58,6 +58,8 @@ class RolloutConfig:
     max_batch:int=256 # most requests the engine decodes at once
     threads:int=1 # CPU threads of the engine's forward
     dtype:str='float32' # the engine's weights: 'float32', or 'bfloat16' as vLLM serves them (the trainer stays fp32)
+    max_failure_rate:float=0.5 # the run stops when more than this fraction of the last failure_window rollouts failed (1: never)
+    failure_window:int=64 # how many of the latest finished rollouts max_failure_rate looks at
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -107,18 +109,52 @@ class RunConfig:
 
 # %% ../nbs/09_config.ipynb #b055daad
 _SECTIONS = dict(model=ModelConfig, warm_start=WarmStartConfig, rollout=RolloutConfig, algo=AlgoConfig, optim=OptimConfig, train=TrainConfig, loop=LoopConfig, routing=RoutingConfig)
-_NESTED = {('algo', 'loss'): LossConfig, ('algo', 'loss', 'is_correction'): ISConfig}
+_EXPECTED = {float: 'a number (e.g. 0.001)', int: 'a whole number', bool: 'true or false', str: 'a quoted string',
+             tuple: 'a list (e.g. [0, 1])', dict: 'a table', type(None): 'nothing (leave the field out)'}
 
-def _build(cls, values:dict, path:tuple):
-    "`cls(**values)`, nested tables built too; errors name the dotted field"
-    if not isinstance(values, dict): raise ValueError(f"{'.'.join(path)} must be a table of fields, got {values!r}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown: raise ValueError(f"unknown field {'.'.join(path + (unknown[0],))}: {'.'.join(path)} has {sorted(known)}")
-    kw = {k: _build(_NESTED[path + (k,)], v, path + (k,)) if path + (k,) in _NESTED else v for k, v in values.items()}
-    kw = {k: tuple(v) if isinstance(v, list) and k != 'agent_options' else v for k, v in kw.items()}
+def _typed(value, tp):
+    "`value` as a field annotated `tp` (a list becomes a tuple, an int a float); TypeError naming what `tp` accepts"
+    options = tp.__args__ if isinstance(tp, types.UnionType) else (tp,)
+    for t in options:
+        if t is type(None) and value is None: return None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and (t is float or (t is int and isinstance(value, int))): return t(value)
+        if t is tuple and isinstance(value, (list, tuple)): return tuple(value)
+        if t in (str, bool, dict) and isinstance(value, t): return value
+    raise TypeError(' or '.join(_EXPECTED.get(t, t.__name__) for t in options))
+
+def _unknown(path:tuple, key:str, known:list, value) -> str:
+    "The message for a field nobody declared: the nearest declared name, else the section's names"
+    kind = 'section' if not path and isinstance(value, dict) else 'field'
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {'.'.join(path + (near[0],))}?" if near else f"{'.'.join(path) or 'a recipe'} has {', '.join(sorted(known))}"
+    return f"unknown {kind} {'.'.join(path + (key,))}: {hint}"
+
+def _parse(cls, values, path:tuple, problems:list):
+    "`cls(**values)`, nested tables built too, or None; each mistake is appended to `problems`, naming its dotted field"
+    if isinstance(values, cls): return values
+    if not isinstance(values, dict):
+        problems.append(f"{'.'.join(path)} is {values!r}, expected a table of fields ([{'.'.join(path)}] in recipe.toml)")
+        return None
+    known, kw, before = {f.name: f.type for f in fields(cls)}, {}, len(problems)
+    for k, v in values.items():
+        tp = known.get(k)
+        if tp is None: problems.append(_unknown(path, k, list(known), v))
+        elif dataclasses.is_dataclass(tp): kw[k] = _parse(tp, v, path + (k,), problems)
+        else:
+            try: kw[k] = _typed(v, tp)
+            except TypeError as e: problems.append(f"{'.'.join(path + (k,))} is {v!r}, expected {e}")
+    if len(problems) > before: return None
     try: return cls(**kw)
-    except (ValueError, TypeError) as e: raise ValueError(f"{'.'.join(path)}: {e}") from None
+    except (ValueError, TypeError) as e: problems.append(f"{'.'.join(path)}: {e}" if path else str(e))
+
+def _build(cls, values:dict, path:tuple=()):
+    "`cls(**values)`, nested tables built too; one ValueError naming every mistake"
+    problems = []
+    out = _parse(cls, values, path, problems)
+    if len(problems) > 1: raise ValueError(f"{len(problems)} mistakes:\n" + '\n'.join(f"  - {p}" for p in problems))
+    if problems: raise ValueError(problems[0])
+    return out
 
 # %% ../nbs/09_config.ipynb #f8a00faa
 def check(cfg:RunConfig) -> RunConfig:
@@ -135,6 +171,7 @@ def check(cfg:RunConfig) -> RunConfig:
     if lp.mode != 'sync' and r.groups_in_flight < r.groups_per_step: raise ValueError(f"rollout.groups_in_flight is {r.groups_in_flight}, fewer than rollout.groups_per_step={r.groups_per_step}: a step could never fill")
     if (r.keep_low is None) != (r.keep_high is None): raise ValueError("rollout.keep_low and rollout.keep_high go together: set both (e.g. 0 and 1) or neither")
     if r.keep_low is not None and not r.keep_low < r.keep_high: raise ValueError(f"rollout.keep_low={r.keep_low} must be below rollout.keep_high={r.keep_high}")
+    if not 0 <= r.max_failure_rate <= 1 or r.failure_window < 1: raise ValueError(f"rollout.max_failure_rate is {r.max_failure_rate} and rollout.failure_window {r.failure_window}: give a fraction in [0, 1] (1 never stops) and a window >= 1")
     if r.dtype not in ENGINE_DTYPES: raise ValueError(f"rollout.dtype is {r.dtype!r}, expected one of {ENGINE_DTYPES}")
     if abs(cfg.algo.temperature - r.temperature) > 1e-9: raise ValueError(f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must score tokens at the temperature they were sampled at")
     if not r.temperature > 0: raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
@@ -166,9 +203,9 @@ def load_config(recipe, # a recipe directory (holding recipe.toml), or the path 
     for item in overrides: _override(table, item)
     table.setdefault('recipe', str(recipe_dir.resolve())) # absolute: Ray workers do not share our working directory
     table.setdefault('run_dir', str(Path.cwd()/'runs'/recipe_dir.resolve().name))
-    if 'temperature' in table.get('rollout', {}): table.setdefault('algo', {}).setdefault('temperature', table['rollout']['temperature'])
-    top = {k: v for k, v in table.items() if k not in _SECTIONS}
-    return check(_build(RunConfig, top | {k: _build(c, table.get(k, {}), (k,)) for k, c in _SECTIONS.items()}, ()))
+    rollout, algo = table.get('rollout'), table.setdefault('algo', {})
+    if isinstance(rollout, dict) and isinstance(algo, dict) and 'temperature' in rollout: algo.setdefault('temperature', rollout['temperature'])
+    return check(_build(RunConfig, table))
 
 # %% ../nbs/09_config.ipynb #342d702c
 def build_policy(cfg:RunConfig) -> tuple:

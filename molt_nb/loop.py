@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['BYTE_OF', 'RunStore', 'token_columns', 'token_pieces', 'Trainer', 'check_token_identity', 'RecipeParts',
-           'recipe_parts', 'Orchestrator', 'evaluate', 'start_ray', 'Run', 'launch']
+           'RecipeError', 'recipe_parts', 'Orchestrator', 'evaluate', 'start_ray', 'Run', 'launch']
 
 # %% ../nbs/13_loop.ipynb #fda851d0
-import asyncio, json, math, os, random, shutil, tempfile, time, uuid
+import asyncio, json, math, os, random, shutil, tempfile, time, traceback, uuid
 from itertools import accumulate
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,10 +17,10 @@ import torch
 from fastcore.basics import patch
 from .core import SamplingParams, Trajectory, collate
 from .engine import TorchEngine
-from .agents import load_agent, _module
+from .agents import load_agent, _module, _shown
 from .actor import PolicyActor, latest_checkpoint, _write_atomic
 from .weight_sync import WeightSync
-from .pool import Pool
+from .pool import Failures, Pool, RunStopped, _reason, _traceback, _within
 from .config import RunConfig, build_policy, load_config
 
 # %% ../nbs/13_loop.ipynb #b2b0b4c4
@@ -44,6 +44,11 @@ class RunStore:
     def log(self, row:dict): self.rows.append(row)
     def metrics(self) -> pd.DataFrame: return pd.read_parquet(self.root/'metrics.parquet')
     def add_samples(self, df:pd.DataFrame): self.pending.append(df)
+    def amend(self, row:dict): self.rows[-1], self._frame = row, None # the last row, completed after it was logged
+    def write_failures(self, table:dict): _write_atomic(self.root/'failures.json', json.dumps(table, indent=1))
+    def failures(self) -> dict:
+        "Failed rollouts by where and kind ('train error:ValueError', 'eval timeout'): their count and the first one's traceback"
+        return json.loads((self.root/'failures.json').read_text()) if (self.root/'failures.json').exists() else {}
 
     def flush(self):
         "Write the metrics, and the samples gathered since the last flush as one file named by their last step"
@@ -66,7 +71,7 @@ class RunStore:
     def reset(self):
         "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
         self.rows, self.pending, self._frame = [], [], None
-        for f in [self.root/'metrics.parquet', *(self.root/'samples').glob('until_*.parquet')]: f.unlink(missing_ok=True)
+        for f in [self.root/'metrics.parquet', self.root/'failures.json', *(self.root/'samples').glob('until_*.parquet')]: f.unlink(missing_ok=True)
         shutil.rmtree(self.checkpoints, ignore_errors=True)
 
     def truncate(self, step:int):
@@ -194,16 +199,27 @@ class RecipeParts:
     eval_tasks:list # the first loop.eval_tasks of tasks('eval')
     sampling:SamplingParams # the rollout's sampling, stopping at the end token
 
+class RecipeError(ValueError):
+    "A recipe's agent module breaks the contract of recipes/README.md"
+
+def _task_list(tasks, split:str, where:str) -> list:
+    "`tasks(split)`, checked: a non-empty list of dicts"
+    try: out = tasks(split)
+    except Exception as e: raise RecipeError(f"tasks({split!r}) in {where} raised {type(e).__name__}: {e}; it must return the {split!r} tasks, a list of dicts") from e
+    if not isinstance(out, (list, tuple)) or not out or not all(isinstance(t, dict) for t in out):
+        raise RecipeError(f"tasks({split!r}) in {where} returned {_shown(out)}, expected a non-empty list of dicts (each is what Env.reset gets)")
+    return list(out)
+
 def recipe_parts(cfg:RunConfig, tokenizer) -> RecipeParts:
     "The runner, tasks and sampling of `cfg`'s recipe (the module is imported once)"
-    module = _module(cfg.agent_path)
+    module, where = _module(cfg.agent_path), repr(str(cfg.agent_path))
     runner = load_agent(module, tokenizer, **cfg.agent_options)
     tasks = getattr(module, 'tasks', None)
-    if not callable(tasks): raise AttributeError(f"agent module {str(cfg.agent_path)!r} does not export tasks(split): add a function returning the 'train' and 'eval' task lists")
-    train = list(tasks('train'))
+    if not callable(tasks): raise RecipeError(f"agent module {where} does not export tasks(split): add a function returning the 'train' and 'eval' task lists (see recipes/README.md)")
+    train = _task_list(tasks, 'train', where)
     random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(train) # a stream of its own (recipes may draw from Random(seed))
     r = cfg.rollout
-    return RecipeParts(runner, train, list(tasks('eval'))[:cfg.loop.eval_tasks],
+    return RecipeParts(runner, train, _task_list(tasks, 'eval', where)[:cfg.loop.eval_tasks],
                        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tokenizer.eos_token_id]))
 
 class Orchestrator:
@@ -219,7 +235,7 @@ class Orchestrator:
         self.runner, self.train_tasks, self.eval_tasks, self.sampling = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling
         self.store = RunStore(cfg.run_dir)
         self.sync, self.step, self.latest, self.record = WeightSync([self.engine], version=-1), 0, {}, {} if cfg.loop.debug else None
-        self.last_eval = None
+        self.last_eval, self.pool, self.started, self.timed_out, self.eval_failures = None, None, None, False, Failures()
 
     async def _call(self, name:str, *args):
         "Call the trainer: through Ray when it is an actor handle, else in a worker thread"
@@ -227,15 +243,29 @@ class Orchestrator:
         return await fn.remote(*args) if hasattr(fn, 'remote') else await asyncio.to_thread(fn, *args)
 
     async def progress(self) -> dict:
-        "The last step's metrics, the step count, and the latest held-out evaluation"
-        return self.latest | dict(step=self.step, steps=self.cfg.loop.steps, last_eval=self.last_eval)
+        "The last step's metrics, the step count, the latest held-out evaluation, the time so far and the failures"
+        f = self.pool.failures if self.pool is not None else Failures()
+        return self.latest | dict(step=self.step, steps=self.cfg.loop.steps, last_eval=self.last_eval, failure_rate=f.rate,
+                                  time=0.0 if self.started is None else time.perf_counter() - self.started, failures=self._failure_table())
+
+    def _failure_table(self) -> dict:
+        "'train <kind>' and 'eval <kind>' -> count and the first traceback"
+        f = self.pool.failures if self.pool is not None else Failures()
+        return {f"{where} {k}": dict(count=n, first=fs.first[k]) for where, fs in (('train', f), ('eval', self.eval_failures)) for k, n in fs.counts.items()}
 
 # %% ../nbs/13_loop.ipynb #067d2f8a
-async def evaluate(runner, engine, tasks:list, sampling:SamplingParams) -> float:
+async def evaluate(runner, engine, tasks:list, sampling:SamplingParams,
+                   timeout_s:float|None=None, # a rollout running longer fails
+                   failures:Failures|None=None, # where failed rollouts are counted, with their first traceback
+                  ) -> float:
     "Mean reward of one greedy rollout per task (a rollout that fails scores 0)"
     greedy = sampling.replace(temperature=0.0)
-    out = await asyncio.gather(*[runner.run(engine, t, greedy, f"eval{i}", f"eval{i}", i) for i, t in enumerate(tasks)], return_exceptions=True)
-    return sum(t.reward for t in out if isinstance(t, Trajectory)) / max(len(tasks), 1)
+    async def one(i:int, task:dict) -> float:
+        try: return (await _within(runner.run(engine, task, greedy, f"eval{i}", f"eval{i}", i), timeout_s)).reward
+        except Exception as e:
+            if failures is not None: failures.add(_reason(e), _traceback(e), f"eval{i}")
+            return 0.0
+    return sum(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])) / max(len(tasks), 1)
 
 # %% ../nbs/13_loop.ipynb #7e977188
 @patch
@@ -257,9 +287,13 @@ async def _start(self:Orchestrator) -> dict:
 # %% ../nbs/13_loop.ipynb #01a200d7
 @patch
 async def _collect(self:Orchestrator, pool:Pool, version:int) -> dict:
-    "The next batch for a trainer at policy `version`, with its trajectories and how long the wait was"
+    "The next batch for a trainer at policy `version`, with its trajectories and how long the wait was; None when loop.seconds runs out first"
     cfg, start = self.cfg, time.perf_counter()
-    groups = await pool.collect(cfg.rollout.groups_per_step, None if cfg.loop.mode == 'sync' else version - cfg.loop.max_staleness)
+    left = None if cfg.loop.seconds is None else max(cfg.loop.seconds - (start - self.started), 1e-3)
+    try: groups = await _within(pool.collect(cfg.rollout.groups_per_step, None if cfg.loop.mode == 'sync' else version - cfg.loop.max_staleness), left)
+    except (TimeoutError, asyncio.TimeoutError):
+        self.timed_out = True # loop.seconds ran out before the batch filled: the run ends
+        return None
     trajectories = [t for g in groups for t in g.trajectories]
     batch = collate(trajectories, self.engine.vocab_size)
     checked = check_token_identity(trajectories, {t.rollout_id: self.record.pop(t.rollout_id, None) for t in trajectories}, batch) if self.record is not None else 0
@@ -291,7 +325,7 @@ def _metrics(self:Orchestrator, work:dict, out:dict, pool:Pool, wall:float, busy
                 **{f"staleness/{k}": float(v) for k, v in enumerate(age.tolist()) if v},
                 engine_idle=max(0., 1 - busy_s / wall), trainer_idle=max(0., 1 - out['seconds'] / wall),
                 time_collect=work['wait'], time_train=out['seconds'], time_sync=sync_s, sync_mb=report.nbytes / 2**20,
-                rollouts=float(len(trajectories)), samples_per_s=len(trajectories) / wall, identity_checked=work['checked'],
+                rollouts=float(len(trajectories)), samples_per_s=len(trajectories) / wall, identity_checked=work['checked'], failure_rate=pool.failures.rate,
                 **{f"pool/{k}": float(v) for k, v in pool.counters.items()})
 
 @patch
@@ -327,6 +361,12 @@ def _route_columns(trajectories:list, train_routes) -> dict:
 @patch
 async def _checkpoint(self:Orchestrator, pool:Pool):
     await self._call('save', str(self.store.checkpoints), dict(step=self.step, pool=pool.state()))
+    self._flush()
+
+@patch
+def _flush(self:Orchestrator):
+    "Write the metrics, the samples and the failures so far to the run store"
+    self.store.write_failures(self._failure_table())
     self.store.flush()
 
 @patch
@@ -336,18 +376,38 @@ def _more(self:Orchestrator) -> bool:
 
 @patch
 async def _evaluate(self:Orchestrator, row:dict) -> dict:
-    start = time.perf_counter()
-    row['eval'] = self.last_eval = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling)
-    return row | dict(time_eval=time.perf_counter() - start)
+    start, failed = time.perf_counter(), sum(self.eval_failures.counts.values())
+    row['eval'] = self.last_eval = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling, self.cfg.rollout.timeout_s, self.eval_failures)
+    return row | dict(time_eval=time.perf_counter() - start, eval_failed=float(sum(self.eval_failures.counts.values()) - failed))
+
+@patch
+async def _last(self:Orchestrator, pool:Pool, row:dict, saved:bool) -> dict:
+    "Evaluate and checkpoint the step of `row`, already logged, that turned out to be the last (loop.seconds ran out)"
+    if 'eval' not in row:
+        row = await self._evaluate(row)
+        self.store.amend(row); self.latest = row
+    if not saved: await self._checkpoint(pool)
+    return row
+
+@patch
+def _stalled(self:Orchestrator, pool:Pool) -> str:
+    "Why no step finished in time, and what to change"
+    c, f = pool.counters, pool.failures
+    failed = f"; the first failure of each kind:\n\n{f.report()}" if f.counts else ''
+    return (f"no training step finished within loop.seconds={self.cfg.loop.seconds:g}: {c['rollouts/ok']} rollouts succeeded, "
+            f"{sum(f.counts.values())} failed, {sum(v for k, v in c.items() if k.startswith('groups/') and k != 'groups/ok')} groups were dropped "
+            f"({', '.join(k for k in c if k.startswith('groups/')) or 'none'}) and {len(pool.in_flight)} were still running. Give the run more "
+            f"loop.seconds, make rollouts shorter (rollout.max_tokens, rollout.timeout_s={self.cfg.rollout.timeout_s:g}) or check why groups are dropped{failed}")
 
 @patch
 async def run(self:Orchestrator) -> dict:
     "Run the loop to its end; the last metrics row"
     cfg, lp, r = self.cfg, self.cfg.loop, self.cfg.rollout
     state = await self._start()
-    pool = Pool(self.runner, self.engine, self.train_tasks, self.sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes,
-                streaming=lp.mode != 'sync', keep_range=None if r.keep_low is None else (r.keep_low, r.keep_high), record=self.record, **state)
-    self.started = time.perf_counter()
+    pool = self.pool = Pool(self.runner, self.engine, self.train_tasks, self.sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes,
+                            streaming=lp.mode != 'sync', keep_range=None if r.keep_low is None else (r.keep_low, r.keep_high), record=self.record,
+                            max_failure_rate=r.max_failure_rate, failure_window=r.failure_window, **state)
+    self.started, first = time.perf_counter(), self.step
     row = await self._evaluate(dict(step=self.step, time=0.0))
     self._last_end, self._last_busy = time.perf_counter(), self.engine.stats['busy_s'] # where the first step's wall time starts
     if not self.store.rows or self.store.rows[-1]['step'] < self.step: self.store.log(row)
@@ -357,9 +417,12 @@ async def run(self:Orchestrator) -> dict:
         task = self._train(work) if work else None
         while task is not None:
             out = await task
-            self.step, version, task = self.step + 1, out['version'], None
+            self.step, version, task, nxt = self.step + 1, out['version'], None, None
             more, checkpoint = self._more(), cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0
-            if more and lp.mode != 'sync' and not checkpoint: nxt = await self._collect(pool, version); task = self._train(nxt)
+            if more and lp.mode != 'sync' and not checkpoint:
+                nxt = await self._collect(pool, version)
+                if nxt is None: more = False # the time ran out while the next batch filled: this step is the last
+                else: task = self._train(nxt)
             start = time.perf_counter()
             report = await self._sync(out)
             end = time.perf_counter()
@@ -369,12 +432,16 @@ async def run(self:Orchestrator) -> dict:
             if not more or (lp.eval_every and self.step % lp.eval_every == 0): row = await self._evaluate(row)
             self.store.log(row); self.latest = row
             if not more or checkpoint: await self._checkpoint(pool)
-            elif self.step % lp.flush_every == 0: self.store.flush()
-            if more and task is None: nxt = await self._collect(pool, version); task = self._train(nxt)
+            elif self.step % lp.flush_every == 0: self._flush()
+            if more and task is None:
+                nxt = await self._collect(pool, version)
+                if nxt is None: row = await self._last(pool, row, bool(checkpoint))
+                else: task = self._train(nxt)
             work = nxt if more else None
+        if self.timed_out and self.step == first: raise RunStopped(self._stalled(pool))
     finally:
         await pool.close()
-        self.store.flush()
+        self._flush()
     return row
 
 @patch

@@ -2,6 +2,7 @@
 import re, subprocess, sys, os
 from pathlib import Path
 
+import pytest
 import torch
 
 from molt_nb import cli
@@ -64,3 +65,20 @@ def test_sample_stops_at_every_end_of_turn_id():
     assert cli._stop_ids(model, tok) == (EOS, 5)
     model.generation_config.eos_token_id = None
     assert cli._stop_ids(model, tok) == (EOS,)
+
+
+PARITY = Path(__file__).resolve().parents[1] / "recipes" / "parity"
+
+
+def test_train_flags_go_anywhere(capsys):
+    "`--no-control` before, after or between the overrides: every override is kept, so both typos are named (argparse blames nothing)."
+    for argv in (["train", str(PARITY), "--no-control", "loop.stepz=1", "loop.sead=2"],
+                 ["train", "--no-control", str(PARITY), "loop.stepz=1", "loop.sead=2"],
+                 ["train", str(PARITY), "loop.stepz=1", "--no-control", "loop.sead=2"]):
+        with pytest.raises(SystemExit) as e: cli.main(argv)
+        msg = str(e.value.code)
+        assert "2 mistakes" in msg and "loop.stepz: did you mean loop.steps?" in msg and "loop.sead: did you mean loop.seed?" in msg, msg
+    args = cli._parse(["train", "r", "a=1", "--no-control", "b=2"])
+    assert (args.recipe, args.overrides, args.no_control) == ("r", ["a=1", "b=2"], True)
+    with pytest.raises(SystemExit): cli._parse(["train", "r", "--no-contrl"])  # an unknown flag is still refused
+    assert "unrecognized arguments: --no-contrl" in capsys.readouterr().err
