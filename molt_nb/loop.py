@@ -376,8 +376,19 @@ def start_ray(address:str='local', # 'local' starts a private Ray on this machin
     env = {k: os.environ[k] for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS') if k in os.environ}
     kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1',
               _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
-    # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
-    ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
+    # ray.init swaps 127.0.0.1 for this machine's address, and GCS, raylet and workers then listen on every interface
+    # (issue 15). Ray keeps 127.0.0.1, and loopback, where it thinks clusters are off: a constant it reads from
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import. Both are set while Ray starts its processes, which keep the variable;
+    # this process gets them back, so a later connection to a real cluster uses the machine's address again.
+    from ray._private import ray_constants
+    saved = os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), ray_constants.ENABLE_RAY_CLUSTER
+    if address == 'local': os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'], ray_constants.ENABLE_RAY_CLUSTER = '0', False
+    try: # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
+        ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
+    finally:
+        os.environ.pop('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', None)
+        if saved[0] is not None: os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 class Run:
     "A run launched on Ray"

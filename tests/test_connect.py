@@ -138,3 +138,21 @@ def test_version_mismatch_is_reported(head, tmp_path):
     assert 'molt_nb' in out['molt_nb'].get('error', '') and '0.0.0.other' in out['molt_nb']['error'], out['molt_nb']
     assert 'Version mismatch' in out['ray'].get('error', '') and 'pip install' in out['ray']['error'], out['ray']
     assert out['after'].get('answer') == 42, out['after']  # a failed check leaves nothing behind
+
+def test_local_ray_listens_on_loopback_only(tmp_path):
+    "connect() with no address (start_ray) keeps the private Ray on loopback, and this process's own settings as they were"
+    out = kernel('''
+    import os, tempfile, psutil, ray
+    from ray._private import ray_constants
+    from molt_nb.loop import start_ray
+    start_ray(temp_dir=tempfile.mkdtemp(prefix='molt-cl-'), num_cpus=1)
+    ray.get(ray.remote(lambda: 1).remote(), timeout=120)  # a worker listens too
+    ips = set()
+    for p in psutil.Process().children(recursive=True):
+        try: ips |= {c.laddr.ip for c in p.net_connections('tcp') if c.status == psutil.CONN_LISTEN}
+        except psutil.Error: pass
+    print(json.dumps(dict(ips=sorted(ips), variable=os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), clusters=ray_constants.ENABLE_RAY_CLUSTER)))
+    ray.shutdown()
+    ''', tmp_path)
+    assert out['ips'] and set(out['ips']) <= {'127.0.0.1', '::ffff:127.0.0.1'}, out
+    assert out['variable'] is None and out['clusters'] is True, out
