@@ -156,3 +156,13 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
     ''', tmp_path)
     assert out['ips'] and set(out['ips']) <= {'127.0.0.1', '::ffff:127.0.0.1'}, out
     assert out['variable'] is None and out['clusters'] is True, out
+
+def test_no_server_at_the_address_says_what_to_check(tmp_path):
+    "Nothing listens on the port (a wrong port, a closed firewall, no tunnel): an error saying so, not Ray Client's 30 s timeout"
+    out = kernel(f'''
+    import molt_nb.controller
+    molt_nb.controller.PING_SECONDS = 2
+    print(json.dumps(attempt('ray://127.0.0.1:{free_port()}', token='any')))
+    ''', tmp_path)
+    assert 'no Ray Client server answered' in out.get('error', '') and 'ssh -N -L' in out['error'], out
+    assert out['seconds'] < 10, out
