@@ -413,8 +413,9 @@ def _start(address:str|None, temp_dir:str|None, num_cpus:int|None):
         try: return start_ray('local' if address is None else address, temp_dir, num_cpus)
         except ConnectionAbortedError as e:
             # the head's Ray Client proxy starts a server process per client, and that start can fail on a busy head
-            # ("Starting Ray client server failed"): a fresh attempt gets a fresh process; anything else is final
-            if 'Starting Ray client server failed' not in str(e) or attempt == 2: raise
+            # ("Starting Ray client server failed", or the process gone before the proxy reads its command line, in
+            # start_specific_server): a fresh attempt gets a fresh process; anything else is final
+            if not any(m in str(e) for m in ('Starting Ray client server failed', 'start_specific_server')) or attempt == 2: raise
             ray.shutdown(); time.sleep(2 + 4 * attempt)
         except RuntimeError as e: # Ray Client's own check of both sides' versions
             if not str(e).startswith('Version mismatch'): raise
