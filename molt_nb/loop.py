@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['BYTE_OF', 'RunStore', 'token_columns', 'token_pieces', 'Trainer', 'check_token_identity', 'RecipeParts',
-           'RecipeError', 'recipe_parts', 'Orchestrator', 'evaluate', 'start_ray', 'Run', 'launch']
+           'RecipeError', 'recipe_parts', 'Orchestrator', 'evaluate', 'reload_ray_auth', 'start_ray', 'Run', 'launch']
 
 # %% ../nbs/13_loop.ipynb #fda851d0
 import asyncio, json, math, os, random, shutil, tempfile, time, traceback, uuid
@@ -448,17 +448,39 @@ async def run(self:Orchestrator) -> dict:
 def close(self:Orchestrator): self.engine.close()
 
 # %% ../nbs/13_loop.ipynb #1e42e4c3
+def reload_ray_auth():
+    "Make this process's Ray read RAY_AUTH_MODE and the auth token afresh, from the environment and the token files"
+    # Ray copies RAY_AUTH_MODE into its C++ config (RayConfig) when it is imported, and its AuthenticationTokenLoader
+    # keeps the first token it loads: a variable set or a token file written after `import ray` is ignored, and a Ray
+    # Client then sends no token, or a stale one, and times out after ~30 s (issue 15). Ray's own tests re-read both
+    # this way (ray._private.authentication_test_utils.reset_auth_token_state); only while this process runs no Ray.
+    from ray._raylet import AuthenticationTokenLoader, Config
+    Config.initialize('')
+    AuthenticationTokenLoader.instance().reset_cache()
+
 def start_ray(address:str='local', # 'local' starts a private Ray on this machine; or a cluster's address
               temp_dir:str|None=None, # where a local Ray keeps its sockets and logs (default a fresh temp dir)
               num_cpus:int|None=None):
     "Connect to Ray unless already connected"
     import ray
     if ray.is_initialized(): return
+    reload_ray_auth()
     env = {k: os.environ[k] for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS') if k in os.environ}
-    kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1', # loopback only
+    kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1',
               _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
-    # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
-    ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
+    # ray.init swaps 127.0.0.1 for this machine's address, and GCS, raylet and workers then listen on every interface
+    # (issue 15). Ray keeps 127.0.0.1, and loopback, where it thinks clusters are off: a constant it reads from
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import. Both are set while Ray starts its processes, which keep the variable;
+    # this process gets them back, so a later connection to a real cluster uses the machine's address again.
+    from ray._private import ray_constants
+    saved = os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), ray_constants.ENABLE_RAY_CLUSTER
+    if address == 'local': os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'], ray_constants.ENABLE_RAY_CLUSTER = '0', False
+    try: # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
+        ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
+    finally:
+        os.environ.pop('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', None)
+        if saved[0] is not None: os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 class Run:
     "A run launched on Ray"
