@@ -544,19 +544,22 @@ def connect(address:str|None=None, # None: a private local Ray; 'auto'; 'ray://h
     "Connect this kernel to Ray (once); what it connected to"
     import ray
     if not ray.is_initialized():
+        # the token and the auth mode are set only while Ray reads them: afterwards Ray holds its own copies, and this
+        # kernel's environment is as it was (no token inherited by `!commands`, subprocesses or a later local Ray)
         saved = {k: os.environ.get(k) for k in ('RAY_AUTH_TOKEN', 'RAY_AUTH_MODE')}
         try: _connect(address, token, temp_dir, num_cpus)
-        except BaseException: # a failed connect leaves no connection and the environment as it was
-            ray.shutdown()
+        except BaseException: # a failed connect leaves no connection
+            ray.shutdown(); raise
+        finally:
             for k, v in saved.items():
                 if v is None: os.environ.pop(k, None)
                 else: os.environ[k] = v
-            raise
     return dict(address=address or 'local', cpus=ray.cluster_resources().get('CPU', 0))
 
 def _connect(address:str|None, token:str|None, temp_dir:str|None, num_cpus:int|None):
     from molt_nb.loop import reload_ray_auth
     cluster = address not in (None, 'local')
+    if token is not None and not cluster: raise ValueError("connect(token=...) is for a cluster's address: a private local Ray needs no token")
     if token is not None: os.environ['RAY_AUTH_TOKEN'] = token
     if cluster and address != 'auto': os.environ.setdefault('RAY_AUTH_MODE', 'token') # else Ray sends no token
     source = 'the token passed to connect()' if token is not None else auth_token_source()
@@ -587,7 +590,8 @@ def _check_token(address:str, source:str|None):
         stale = (" Ray writes that file when it starts a local Ray and finds no token, so it may be left from an earlier one."
                  if source == str(Path.home()/'.ray'/'auth_token') else '')
         raise PermissionError(f"the Ray Client server at {address} refused the auth token from {source}: it is not this cluster's "
-                              f"token.{stale} Run `ray get-auth-token` on the head and pass what it prints: connect({address!r}, token=...)")
+                              f"token.{stale} Run `ray get-auth-token` on the head and pass what it prints: connect({address!r}, token=...) "
+                              f"(if that is the token, this Ray {_ray_version()} sent none: molt_nb needs Ray >= 2.52)")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         raise ConnectionError(f"no Ray Client server answered at {address} within {PING_SECONDS} s: check that the head runs one on "
                               "that port (ray start --head --ray-client-server-port=PORT, default 10001) and that this machine reaches "
@@ -606,9 +610,14 @@ def _start(address:str|None, temp_dir:str|None, num_cpus:int|None):
             ray.shutdown(); time.sleep(2 + 4 * attempt)
         except RuntimeError as e: # Ray Client's own check of both sides' versions
             if not str(e).startswith('Version mismatch'): raise
-            cluster_ray = str(e).split('Ray: ')[1].split()[0]
+            import re
+            found = re.search(r"Ray: (\S+)", str(e)) # the cluster's Ray, as Ray words it (kept as is if the wording changes)
             raise RuntimeError(f"{e}Run this kernel with the cluster's Ray and Python minor version: "
-                               f"pip install 'ray[client]=={cluster_ray}' in a Python of the cluster's minor version") from None
+                               f"pip install 'ray[client]=={found[1] if found else 'VERSION'}' in a Python of the cluster's minor version") from None
+
+def _ray_version() -> str:
+    import ray
+    return ray.__version__
 
 def _check_molt_nb():
     "Raise if the cluster's workers import another molt_nb version than this kernel, or none"

@@ -454,9 +454,14 @@ def reload_ray_auth():
     # keeps the first token it loads: a variable set or a token file written after `import ray` is ignored, and a Ray
     # Client then sends no token, or a stale one, and times out after ~30 s (issue 15). Ray's own tests re-read both
     # this way (ray._private.authentication_test_utils.reset_auth_token_state); only while this process runs no Ray.
-    from ray._raylet import AuthenticationTokenLoader, Config
-    Config.initialize('')
-    AuthenticationTokenLoader.instance().reset_cache()
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+        Config.initialize('')
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError) as e: # private names: Ray 2.52 introduced token auth, and may rename them
+        import ray
+        raise ImportError(f"molt_nb needs Ray >= 2.52 with token auth (ray._raylet.{getattr(e, 'name', None) or e} is missing in "
+                          f"Ray {ray.__version__}): pip install 'ray[client]>=2.52,<=2.60', the range molt_nb is tested on") from e
 
 def start_ray(address:str='local', # 'local' starts a private Ray on this machine; or a cluster's address
               temp_dir:str|None=None, # where a local Ray keeps its sockets and logs (default a fresh temp dir)

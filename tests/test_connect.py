@@ -38,7 +38,7 @@ def head(tmp_path_factory):
 def kernel(code:str, home:Path, **env) -> dict:
     "Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test writes one)"
     clean = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')} | dict(HOME=str(home), PYTHONPATH=str(ROOT)) | env
-    prelude = 'import json, sys, time\nfrom molt_nb.controller import connect\n' + ATTEMPT
+    prelude = 'import json, os, sys, time\nfrom molt_nb.controller import connect\n' + ATTEMPT
     p = subprocess.run([sys.executable, '-c', prelude + textwrap.dedent(code)], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -47,10 +47,12 @@ def kernel(code:str, home:Path, **env) -> dict:
 ATTEMPT = '''
 def attempt(*args, **kw):
     import ray
-    t = time.monotonic()
+    t, env = time.monotonic(), {k: v for k, v in os.environ.items() if k.startswith('RAY_')}
     try:
         connect(*args, **kw)
         out = dict(seconds=round(time.monotonic() - t, 1))
+        # Ray keeps what it read: the kernel's environment is as it was, so no child process inherits the token
+        out['env_kept'] = env == {k: v for k, v in os.environ.items() if k.startswith('RAY_')}
         out['answer'] = ray.get(ray.remote(lambda: 6 * 7).remote(), timeout=60)
     except Exception as e: out = dict(error=f"{type(e).__name__}: {e}", seconds=round(time.monotonic() - t, 1))
     ray.shutdown()
@@ -70,6 +72,7 @@ def test_fresh_kernel_connects_with_address_and_token(head, tmp_path):
     out = kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path)
     assert out.get('answer') == 42, out
     assert out['seconds'] < 20, out
+    assert out['env_kept'], out  # the token passed to connect() is not left in os.environ
 
 def test_connects_after_ray_was_imported_and_read_a_stale_token(head, tmp_path):
     "`import ray` first, and Ray already loaded (and cached) the stale ~/.ray/auth_token a local Ray left behind"
