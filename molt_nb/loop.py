@@ -395,9 +395,9 @@ async def _evaluate(self:Orchestrator, row:dict) -> dict:
     return row | dict(time_eval=time.perf_counter() - start, eval_failed=float(sum(self.eval_failures.counts.values()) - failed))
 
 @patch
-async def _last(self:Orchestrator, pool:Pool, row:dict, saved:bool, evaluate:bool=True) -> dict:
-    "Evaluate (unless not `evaluate`) and checkpoint the step of `row`, already logged, that turned out to be the last (loop.seconds ran out, or the run stopped)"
-    if evaluate and 'eval' not in row:
+async def _last(self:Orchestrator, pool:Pool, row:dict, saved:bool, final_eval:bool=True) -> dict:
+    "Evaluate (if `final_eval`) and checkpoint the step of `row`, already logged, that turned out to be the last (loop.seconds ran out, or the run stopped)"
+    if final_eval and 'eval' not in row:
         row = await self._evaluate(row)
         self.store.amend(row); self.latest = row
     if not saved: await self._checkpoint(pool)
@@ -455,7 +455,7 @@ async def run(self:Orchestrator) -> dict:
             if more and task is None:
                 try: nxt = await self._collect(pool, version)
                 except RunStopped as e: stopped = e
-                if nxt is None: row = await self._last(pool, row, bool(checkpoint), evaluate=not stopped)
+                if nxt is None: row = await self._last(pool, row, bool(checkpoint), final_eval=not stopped)
                 else: task = self._train(nxt)
             work = nxt if more else None
         if stopped: raise stopped

@@ -227,7 +227,7 @@ async def collect(self:Pool, k:int, # groups wanted
             out.append(g)
     except BaseException:
         self.counters['groups/ok'] -= len(out)
-        self.ready.extend(out) # after a RunStopped, which stays first
+        self.ready.extendleft(reversed(out)) # first again, in their order
         raise
     if self.streaming: self.top_up()
     return out
