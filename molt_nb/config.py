@@ -74,7 +74,7 @@ class LoopConfig:
     mode:str='async' # 'sync' (strictly on-policy), 'async' (bounded staleness) or 'partial' (requests survive a sync)
     max_staleness:int=1 # async/partial: groups with a token older than this many versions are dropped
     steps:int=100 # training steps
-    seconds:float|None=None # stop after this much wall time (whichever comes first)
+    seconds:float|None=None # stop after this much wall time (whichever comes first), evaluations included (the last may run over by 5 s or a tenth of this)
     eval_every:int=0 # steps between held-out evaluations (0: only at the start and the end)
     eval_tasks:int|None=None # evaluate on the first n eval tasks (None: all)
     seed:int=0 # model init, data order and sampling
@@ -143,7 +143,10 @@ def _parse(cls, values, path:tuple, problems:list):
         elif dataclasses.is_dataclass(tp): kw[k] = _parse(tp, v, path + (k,), problems)
         else:
             try: kw[k] = _typed(v, tp)
-            except TypeError as e: problems.append(f"{'.'.join(path + (k,))} is {v!r}, expected {e}")
+            except TypeError as e:
+                name = '.'.join(path + (k,))
+                text = str in (tp.__args__ if isinstance(tp, types.UnionType) else (tp,)) # on a command line the shell eats one pair of quotes
+                problems.append(f"{name} is {v!r}, expected {e}" + (f"; on the command line quote it twice: {name}='\"{v}\"'" if text else ''))
     if len(problems) > before: return None
     try: return cls(**kw)
     except (ValueError, TypeError) as e: problems.append(f"{'.'.join(path)}: {e}" if path else str(e))

@@ -63,7 +63,6 @@ class Pool:
         self.streaming, self.keep_range, self.max_restarts, self.record = streaming, keep_range, max_restarts, record
         self.position, self.pending = position, list(pending)
         self.counters = collections.Counter() # rollouts/<reason>, groups/<reason>, restarted
-        self.errors = collections.deque(maxlen=20) # (rollout id, last traceback line) of recent failures
         self.failures, self.max_failure_rate = Failures(failure_window), max_failure_rate
         self.in_flight, self.ready, self._wake, self._closed = {}, collections.deque(), asyncio.Event(), False
 
@@ -90,11 +89,14 @@ class Failures:
     def __init__(self, window:int=64):
         self.counts, self.first, self.recent = collections.Counter(), {}, collections.deque(maxlen=window)
 
-    def add(self, kind:str, detail:str, rollout_id:str=''):
-        "Count a failed rollout of `kind`; `detail` (its traceback) is kept if it is the first of its kind"
+    def add(self, kind:str,
+            detail, # its traceback, or a function giving it: called only for the first failure of its kind
+            rollout_id:str='',
+            stop:bool=True): # counted in `rate` (toward the failure-rate stop): the agent's failures are, the engine's aborts not
+        "Count a failed rollout of `kind`, keeping the first one's detail"
         self.counts[kind] += 1
-        self.recent.append(True)
-        self.first.setdefault(kind, f"rollout {rollout_id} failed ({kind}):\n{detail.rstrip()}")
+        self.recent.append(stop)
+        if kind not in self.first: self.first[kind] = f"rollout {rollout_id} failed ({kind}):\n{(detail() if callable(detail) else detail).rstrip()}"
 
     def ok(self): self.recent.append(False)
 
@@ -137,16 +139,16 @@ async def _rollout(self:Pool, index:int, j:int, task:dict) -> Trajectory|str:
         except RolloutAborted: self.counters['restarted'] += 1
         except asyncio.CancelledError: raise
         except Exception as e:
-            self.errors.append((rid, traceback.format_exception_only(e)[-1].strip()))
             timed_out = _reason(e) == 'timeout'
-            return self._failed(_reason(e), f"it ran longer than timeout_s={self.timeout_s:g} s" if timed_out else _traceback(e), rid)
+            return self._failed(_reason(e), f"it ran longer than timeout_s={self.timeout_s:g} s" if timed_out else lambda: _traceback(e), rid)
     return self._failed('aborted', f"the engine aborted it {self.max_restarts + 1} times", rid)
 
 @patch
-def _failed(self:Pool, kind:str, detail:str, rollout_id:str) -> str:
-    "Record a failed rollout; past `max_failure_rate`, stop `collect` with the first traceback of each kind"
-    self.failures.add(kind, detail, rollout_id)
-    if self.failures.exceeded(self.max_failure_rate) and not any(isinstance(g, RunStopped) for g in self.ready):
+def _failed(self:Pool, kind:str, detail, rollout_id:str) -> str:
+    "Record a failed rollout; past `max_failure_rate` of the agent's failures, stop `collect` with the first traceback of each kind"
+    agent = kind != 'aborted' # aborts are the engine's (pauses for weight sync), not the agent's: they never stop the run
+    self.failures.add(kind, detail, rollout_id, stop=agent)
+    if agent and self.failures.exceeded(self.max_failure_rate) and not any(isinstance(g, RunStopped) for g in self.ready):
         f = self.failures
         self.ready.appendleft(RunStopped(
             f"{sum(f.recent)} of the latest {len(f.recent)} rollouts failed, more than rollout.max_failure_rate={self.max_failure_rate:g}, so the run stops. "
@@ -206,22 +208,27 @@ def _rejection(self:Pool, g:Group, min_version:int|None) -> str|None:
 async def collect(self:Pool, k:int, # groups wanted
                   min_version:int|None=None, # drop groups with a token sampled by an older policy
                  ) -> list:
-    "The next `k` groups that can train"
+    "The next `k` groups that can train (cancelled or stopped, the groups it took go back to `ready`, so `state()` keeps them)"
     out = []
-    while len(out) < k:
-        self.top_up(None if self.streaming else k - len(out))
-        while not self.ready:
-            self._wake.clear()
-            await self._wake.wait()
-        g = self.ready.popleft()
-        if isinstance(g, BaseException): raise g
-        if (why := self._rejection(g, min_version)) is not None:
-            self.counters[f"groups/{why}"] += 1
-            if self.record is not None:
-                for t in g.trajectories: self.record.pop(t.rollout_id, None)
-            continue
-        self.counters['groups/ok'] += 1
-        out.append(g)
+    try:
+        while len(out) < k:
+            self.top_up(None if self.streaming else k - len(out))
+            while not self.ready:
+                self._wake.clear()
+                await self._wake.wait()
+            g = self.ready.popleft()
+            if isinstance(g, BaseException): raise g
+            if (why := self._rejection(g, min_version)) is not None:
+                self.counters[f"groups/{why}"] += 1
+                if self.record is not None:
+                    for t in g.trajectories: self.record.pop(t.rollout_id, None)
+                continue
+            self.counters['groups/ok'] += 1
+            out.append(g)
+    except BaseException:
+        self.counters['groups/ok'] -= len(out)
+        self.ready.extendleft(reversed(out)) # first again, in their order
+        raise
     if self.streaming: self.top_up()
     return out
 

@@ -62,7 +62,7 @@ def held_out(model, cfg:RunConfig, tokenizer) -> float:
     "Mean greedy reward of `model` on the recipe's eval tasks"
     engine = TorchEngine(copy.deepcopy(model).eval(), seed=cfg.loop.seed, threads=torch.get_num_threads())
     parts = recipe_parts(cfg, tokenizer)
-    try: return run_sync(evaluate(parts.runner, engine, parts.eval_tasks, parts.sampling))
+    try: return run_sync(evaluate(parts.runner, engine, parts.eval_tasks, parts.sampling, cfg.rollout.timeout_s)) # a hanging Env fails, not hangs
     finally: engine.close()
 
 # %% ../nbs/14_train.ipynb #c1ec0002
@@ -116,7 +116,6 @@ def _bar(total:float, unit:str, desc:str|None=None, show:bool=True):
 def warm_start(cfg:RunConfig, show:bool=False) -> tuple:
     "(checkpoint path, held-out accuracy) of the supervised warm start, saved under the run directory; `show`: a progress bar"
     w, module = cfg.warm_start, _module(cfg.agent_path)
-    if not callable(getattr(module, 'demos', None)): raise AttributeError(f"warm_start.demos={w.demos} but {str(cfg.agent_path)!r} has no demos(n, seed): add one or set warm_start.demos=0")
     torch.manual_seed(cfg.loop.seed)
     model, tok = build_policy(cfg)
     ids, labels = demo_rows(tok, module.demos(w.demos, cfg.loop.seed))

@@ -121,3 +121,58 @@ def test_train_command_bad_config_fails_before_ray():
     out = subprocess.run([str(Path(sys.executable).parent/'molt-nb'), 'train', str(PARITY), 'rollout.n_samples=1'], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and 'rollout.n_samples is 1' in out.stderr
     assert 'Ray' not in out.stderr and 'ray' not in out.stdout
+
+# In one process (an `Orchestrator` and a `Trainer`, no Ray): the parity recipe with one thing broken in its Env.reset
+from molt_nb.loop import Orchestrator, Trainer
+from molt_nb.pool import RunStopped
+
+def parity_with(tmp_path, reset:str) -> Path:
+    "The parity recipe whose Env.reset runs `reset` first (`_evals`, `_trains`: counters of eval and train rollouts)"
+    d = tmp_path/'recipe'; d.mkdir()
+    (d/'recipe.toml').write_text((PARITY/'recipe.toml').read_text())
+    src = (PARITY/'agent.py').read_text()
+    old = "    async def reset(self, task): return task['prompt']"
+    assert old in src
+    head = "import asyncio, itertools\n_evals, _trains = itertools.count(), itertools.count()\n"
+    (d/'agent.py').write_text(head + src.replace(old, f"    async def reset(self, task):\n        evaluating = int(task['prompt'][:-1]) >= 1000\n        {reset}\n        return task['prompt']"))
+    return d
+
+def run_here(cfg) -> tuple:
+    "(the last row or the exception, the orchestrator, seconds from the start of `run`)"
+    import asyncio
+    orch = Orchestrator(cfg, Trainer(cfg))
+    start = time.perf_counter()
+    try: out = asyncio.run(orch.run())
+    except Exception as e: out = e
+    finally: orch.close()
+    return out, orch, time.perf_counter() - start
+
+TINY_HERE = ['loop.eval_tasks=2', 'rollout.groups_per_step=2', 'rollout.n_samples=2', 'rollout.groups_in_flight=4', 'train.micro_batch_rows=4']
+
+@pytest.mark.parametrize('works', [0, 2])
+def test_time_limit_holds_when_evaluation_hangs(tmp_path, works):
+    "Every eval rollout after the first `works` hangs (timeout_s is long): the run still ends about loop.seconds, plus at most the final evaluation's grace"
+    from molt_nb.loop import EVAL_GRACE_S
+    recipe = parity_with(tmp_path, f"if evaluating and next(_evals) >= {works}: await asyncio.sleep(3600)")
+    out, orch, seconds = run_here(config(tmp_path, *TINY_HERE, 'loop.steps=1000', 'loop.seconds=4', 'rollout.timeout_s=120', 'loop.debug=false', recipe=recipe))
+    assert seconds < 4 + EVAL_GRACE_S + 10, seconds  # before: the hanging evaluation waited rollout.timeout_s (120 s)
+    if works == 0:  # the first evaluation hangs: it takes the run's time, and no step can finish
+        assert isinstance(out, RunStopped) and 'no training step finished within loop.seconds=4' in str(out), out
+        assert orch.store.failures()['eval timeout']['count'] == 2
+    else:  # the steps train; the final evaluation hangs, is cut after its grace, scores 0 and is counted
+        assert not isinstance(out, Exception), out
+        assert out['step'] >= 1 and out['eval'] == 0.0 and out['eval_failed'] == 2.0, out
+        assert json.loads((latest_checkpoint(orch.store.checkpoints)/'state.json').read_text())['step'] == out['step']
+
+@pytest.mark.parametrize('mode', ['sync', 'async'])
+def test_failure_stop_logs_and_checkpoints_the_steps_trained(tmp_path, mode):
+    "Train rollouts raise after three steps' worth: the run stops, and every step trained is in the metrics and the final checkpoint"
+    recipe = parity_with(tmp_path, "if not evaluating and next(_trains) >= 12: raise ConnectionError('scorer service is down')")
+    out, orch, seconds = run_here(config(tmp_path, *TINY_HERE, 'loop.steps=1000', f'loop.mode="{mode}"', 'rollout.failure_window=8',
+                                         'loop.max_staleness=8', recipe=recipe))
+    assert isinstance(out, RunStopped) and 'ConnectionError: scorer service is down' in str(out), out
+    assert orch.step >= 1
+    assert list(orch.store.metrics().step) == list(range(orch.step + 1))  # before (async): the last step's row was never logged
+    ckpt = latest_checkpoint(orch.store.checkpoints)
+    assert ckpt is not None and json.loads((ckpt/'state.json').read_text())['step'] == orch.step  # before: no checkpoint (checkpoint_every=0)
+    assert orch.store.failures()['train error:ConnectionError']['count'] >= 8

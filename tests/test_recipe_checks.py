@@ -109,3 +109,17 @@ def test_time_limit_holds_when_no_step_completes(ray_local, tmp_path, capsys):
     assert run_seconds(tmp_path/'run') < 3 + 10, (seconds, err[-3000:])  # the limit, and a margin for the first evaluation and the stop
     assert code and 'the run stopped: no training step finished within loop.seconds=3' in code, code
     assert re.search(r"\d+ were still running", code), code
+
+def test_held_out_gives_up_on_a_hanging_eval_rollout(tmp_path):
+    "held_out (the warm start's and the control's evaluation) fails an Env that never returns after rollout.timeout_s, instead of hanging"
+    from molt_nb.config import build_policy, load_config
+    from molt_nb.train import held_out
+    d = recipe(tmp_path, 'hang_eval', "    async def reset(self, task): return task['prompt']",
+               "    async def reset(self, task):\n        if task['prompt'] == '1001:': await __import__('asyncio').sleep(3600)\n        return task['prompt']")
+    cfg = load_config(d, ['loop.eval_tasks=2', 'rollout.timeout_s=2', f'run_dir="{tmp_path}/run"'])
+    model, tok = build_policy(cfg)
+    result, start = {}, time.monotonic()
+    t = threading.Thread(target=lambda: result.setdefault('accuracy', held_out(model, cfg, tok)), daemon=True)
+    t.start(); t.join(HANG_S)
+    assert not t.is_alive(), f"held_out hung for {HANG_S} s on an eval task whose Env never returns"
+    assert time.monotonic() - start < LIMIT_S and result['accuracy'] <= 0.5, result  # the hanging task scores 0
