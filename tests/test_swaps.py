@@ -43,6 +43,7 @@ def broken(t, text): raise ValueError('no reward for this one')
 async def until(orch, done, what:str):
     deadline = time.monotonic() + LIMIT_S
     while not done():
+        assert orch.state != 'failed', f"the run failed while waiting for {what}: {orch.reason}"
         assert time.monotonic() < deadline, f"waited {LIMIT_S} s for {what}; the run is {orch.state}: {orch.reason}"
         await asyncio.sleep(0.02)
 
