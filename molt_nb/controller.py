@@ -20,9 +20,10 @@ from .core import collate
 from .golden import golden, _trajectories
 from .estimators import ESTIMATORS, Estimator, compute_advantages, degenerate_goldens, degenerate_rollouts, golden_input
 from .losses import POLICY_LOSSES, compute_loss
-from .actor import latest_checkpoint, lr_factor
+from .actor import BackwardError, latest_checkpoint, lr_factor
 from .config import RunConfig, _SECTIONS, _build, check, load_config
 from .loop import Trainer, Orchestrator, start_ray
+from .train import check_recipe
 
 # %% ../nbs/15_controller.ipynb #c5a7c1db
 NAMESPACE = 'molt' # the Ray namespace runs (orchestrator `name`, trainer `name/trainer`) are named in
@@ -106,7 +107,9 @@ def check_loss(fn, cfg=None):
         return out[0]
     finally: POLICY_LOSSES.pop(name, None)
 
-def _text(t, tokenizer) -> str: return tokenizer.decode(torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist())
+def _text(t, tokenizer) -> str:
+    "The text of rollout `t`'s action tokens"
+    return tokenizer.decode(torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist())
 
 def _reward(fn, t, text:str) -> float:
     "`fn`'s reward of rollout `t` as a float; raises unless it is finite"
@@ -163,9 +166,14 @@ def _guarded(kind:str, key:str, fn):
     def loss(logp, old_logp, adv, mask, cfg):
         try: out = fn(logp, old_logp, adv, mask, cfg)
         except Exception as e: raise failed(e) from e
-        if isinstance(out, torch.Tensor) and not torch.where(mask, out.detach(), 0.).isfinite().all(): raise SwapFailed(kind, key, "it returned a non-finite loss on a kept token")
+        if isinstance(out, torch.Tensor) and not torch.where(mask, out.detach(), 0.).isfinite().all():
+            raise SwapFailed(kind, key, "it returned a non-finite loss on a kept token")
         return out
     return estimator if kind == 'estimator' else loss
+
+def _in_use(algo, kind:str) -> str:
+    "The name of `algo`'s estimator or policy loss"
+    return algo.estimator if kind == 'estimator' else algo.loss.policy_loss
 
 def _with(algo, kind:str, key:str):
     "`algo` with `key` as its estimator or policy loss"
@@ -185,34 +193,40 @@ def install(actor, swap:Swap):
     if swap.kind in ('estimator', 'loss'): actor.algo = _registered(swap, actor.algo)
     elif swap.kind == 'config':
         actor.algo, actor.optim, _ = cloudpickle.loads(swap.payload)
-        for g in actor.opt.param_groups: g['initial_lr'] = actor.optim.lr; g['lr'] = actor.optim.lr * lr_factor(actor.scheduler.last_epoch, actor.optim)
+        for g in actor.opt.param_groups:
+            g['initial_lr'] = actor.optim.lr
+            g['lr'] = actor.optim.lr * lr_factor(actor.scheduler.last_epoch, actor.optim)
         actor.scheduler.base_lrs = [actor.optim.lr] * len(actor.opt.param_groups)
     else: raise ValueError(f"the trainer cannot install a {swap.kind!r} swap")
 
 class RunTrainer(Trainer):
     "A `Trainer` that installs swaps at step boundaries, and reports a swapped function that fails in a step"
     def train_step(self, batch, swaps:list=()) -> dict:
-        failed = None
+        "The step's result, or {'failed': [what failed]}: each swap that could not be installed, or the swap that failed the step"
+        failed = []
         for s in swaps:
-            # a function that cannot be unpickled here (a module only the notebook's machine has) fails like one that raises
+            # a function that cannot be unpickled here (a module only the notebook's machine has) fails like one
+            # that raises
             try: install(self.actor, s)
             except Exception as e:
                 if s.kind == 'config': raise
-                failed = failed or dict(kind=s.kind, key=s.key, reason=f"the trainer could not install it ({type(e).__name__}: {e})")
+                failed.append(dict(kind=s.kind, key=s.key, reason=f"the trainer could not install it ({type(e).__name__}: {e})"))
         if failed: return dict(failed=failed)
+        # a non-finite gradient or a failed backward pass: a swapped loss is the suspect if there is one, else a swapped
+        # estimator's advantages; with neither, a non-finite gradient only costs the step its update (counted)
+        a = self.actor.algo
+        suspect = next((k for k in ('loss', 'estimator') if _in_use(a, k).startswith('swap/')), None)
+        self.actor.skip_nonfinite = suspect is None
         try: return Trainer.train_step(self, batch)
-        except SwapFailed as e: return dict(failed=dict(kind=e.kind, key=e.key, reason=e.reason))
-        except FloatingPointError as e:
-            # a non-finite gradient: a swapped loss is the suspect if there is one, else a swapped estimator's advantages
-            a = self.actor.algo
-            kind = next((k for k, n in (('loss', a.loss.policy_loss), ('estimator', a.estimator)) if n.startswith('swap/')), None)
-            if kind is None: raise
-            return dict(failed=dict(kind=kind, key=a.loss.policy_loss if kind == 'loss' else a.estimator, reason=f"{type(e).__name__}: {e}"))
+        except SwapFailed as e: return dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
+        except (FloatingPointError, BackwardError) as e:
+            if suspect is None: raise
+            why = f"suspected of it, as the swapped {suspect} in use: {type(e).__name__}: {e}"
+            return dict(failed=[dict(kind=suspect, key=_in_use(a, suspect), reason=why)])
 
     def go_back(self, kind:str, key:str, back:str):
         "Make `back` the estimator or policy loss again where `key` (which failed) is the one in use"
-        a = self.actor.algo
-        if (a.estimator if kind == 'estimator' else a.loss.policy_loss) == key: self.actor.algo = _with(a, kind, back)
+        if _in_use(self.actor.algo, kind) == key: self.actor.algo = _with(self.actor.algo, kind, back)
     def algo(self): return self.actor.algo
 
 # %% ../nbs/15_controller.ipynb #85f59bf5
@@ -247,7 +261,9 @@ class RunOrchestrator(Orchestrator):
         return await self.status()
 
     async def _guarded(self):
-        try: await self.run(); self.state = 'stopped' if self.stop_requested else 'finished'
+        try:
+            await self.run()
+            self.state = 'stopped' if self.stop_requested else 'finished'
         except BaseException as e:
             self.state, self.error, self.traceback = 'failed', _one_line(e), ''.join(traceback.format_exception(e))
             self.reason = (f"{self.error} (after step {self._logged()}; status()['traceback'] has the traceback). Its metrics and "
@@ -275,7 +291,8 @@ async def pause(self:RunOrchestrator, after:int|None=None) -> dict:
 @patch
 async def unpause(self:RunOrchestrator) -> dict:
     "Let a paused loop go on (the loop's `resume` flag is its checkpoint resume, hence the name)"
-    self.pause_after = None; self.resumed.set()
+    self.pause_after = None
+    self.resumed.set()
     if self.state == 'paused': self.state, self.reason, self.failed_swap = 'running', None, None
     return await self.status()
 
@@ -283,8 +300,11 @@ async def unpause(self:RunOrchestrator) -> dict:
 async def stop(self:RunOrchestrator) -> dict:
     "End the run after the step in hand, with a final checkpoint (a run that has ended stays as it is: see its state)"
     if self.state in ENDED: return await self.status()
-    self.stop_requested, self.pause_after = True, None; self.resumed.set()
-    if self.state in ('running', 'paused'): self.state = 'stopping'
+    self.stop_requested, self.pause_after = True, None
+    self.resumed.set()
+    if self.state in ('running', 'paused'):
+        self.state, self.failed_swap = 'stopping', None
+        self.reason = f"stop(): the run ends after step {self.step + 1} with a checkpoint"
     return await self.status()
 
 @patch
@@ -306,18 +326,20 @@ def _train(self:RunOrchestrator, work:dict) -> asyncio.Task:
 @patch
 async def _train_at_boundary(self:RunOrchestrator, work:dict) -> dict:
     step, work['swaps'], work['failures'] = self.step + 1, [], [] # the step this batch trains
+    pending = [] # the trainer's swaps due at this step, kept until the trainer has taken them (a reward may fail first)
     while True:
         await self._hold(step)
         while self.checkpoints: await self._checkpoint_now(work, self.checkpoints.pop(0))
         swaps = self._due(step)
         work['swaps'] += swaps
+        pending += [s for s in swaps if s.kind != 'reward']
         try:
-            if self.reward_fn is not None or 'env_rewards' in work: self._rescore(work)
-            out = await self._call('train_step', work['batch'], [s for s in swaps if s.kind != 'reward'])
-            failed = out.get('failed')
-        except SwapFailed as e: failed = dict(kind=e.kind, key=e.key, reason=e.reason)
-        if failed is None: return out
-        await self._go_back(failed, step, work)
+            if self.reward_fn is not None or 'env_rewards' in work: await self._rescore(work)
+            out = await self._call('train_step', work['batch'], pending)
+        except SwapFailed as e: out = dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
+        else: pending = []
+        if not out.get('failed'): return out
+        await self._go_back(out['failed'], step, work)
 
 @patch
 async def _hold(self:RunOrchestrator, step:int):
@@ -342,15 +364,17 @@ def _due(self:RunOrchestrator, step:int) -> list:
     return swaps
 
 @patch
-def _rescore(self:RunOrchestrator, work:dict):
+async def _rescore(self:RunOrchestrator, work:dict):
     "Score the batch's rollouts with the swapped reward function (the environment's rewards again when there is none any more)"
     trs = work['trajectories']
     env = work.setdefault('env_rewards', [t.reward for t in trs])
     for t, r in zip(trs, env): t.reward = r # the function sees the environment's reward, on a retry too
     work.pop('env_reward', None)
     if self.reward_fn is not None:
-        texts = self.tokenizer.batch_decode([torch.cat([s.token_ids[s.action_mask] for s in t.segments]) for t in trs])
-        try: rewards = [_reward(self.reward_fn, t, text) for t, text in zip(trs, texts)]
+        fn, seconds = self.reward_fn, self.cfg.rollout.timeout_s
+        # in a thread, under a time limit: a reward that hangs must not freeze status(), pause() and stop()
+        try: rewards = await _limited(lambda: [_reward(fn, t, _text(t, self.tokenizer)) for t in trs], seconds)
+        except TimeoutError: raise SwapFailed('reward', self.reward.key, f"it ran past {seconds:g} s (rollout.timeout_s) on the batch") from None
         except Exception as e: raise SwapFailed('reward', self.reward.key, f"{type(e).__name__}: {e}") from e
         for t, r in zip(trs, rewards): t.reward = r
         work['env_reward'] = sum(env) / len(env)
@@ -371,28 +395,46 @@ async def _collect(self:RunOrchestrator, pool, version:int) -> dict:
 
 # %% ../nbs/15_controller.ipynb #82ad63d0
 @patch
-def _swap_named(self:RunOrchestrator, key:str|None) -> Swap|None: return next((s for s in reversed(self.swaps) if s.key == key), None)
+def _swap_named(self:RunOrchestrator, key:str|None, kind:str) -> Swap|None:
+    "The latest swap of `kind` named `key`; None for None (a built-in, or the environment's reward)"
+    if key is None: return None
+    return next((s for s in reversed(self.swaps) if s.key == key and s.kind == kind), None)
 
 @patch
-async def _go_back(self:RunOrchestrator, failed:dict, step:int, work:dict):
-    "Take out the swap that failed in `step`: its kind goes back to what it replaced, and the run pauses before `step` saying why"
-    s = self._swap_named(failed['key'])
-    if s is None: raise RuntimeError(f"the trainer reports that {failed['kind']} {failed['key']!r} failed, but no swap has that key: {failed['reason']}")
-    s.failed = f"step {step}: {failed['reason']}"
+async def _take_out(self:RunOrchestrator, s:Swap) -> str|None:
+    "Make what `s` replaced (skipping what failed before) its kind's again; that key (None: the environment's reward)"
     back = s.replaces
-    while (b := self._swap_named(back)) is not None and b.failed: back = b.replaces # skip what failed before
+    while (b := self._swap_named(back, s.kind)) is not None and b.failed: back = b.replaces
     if s.kind == 'reward':
-        if self.reward is s: self.reward = self._swap_named(back); self.reward_fn = self.reward and cloudpickle.loads(self.reward.payload)
-    else:
-        if (self.cfg.algo.estimator if s.kind == 'estimator' else self.cfg.algo.loss.policy_loss) == s.key:
-            self.cfg = replace(self.cfg, algo=_with(self.cfg.algo, s.kind, back))
-        await self._call('go_back', s.kind, s.key, back)
-    work['failures'].append(s)
-    was = "the environment's reward" if back is None else repr(getattr(self._swap_named(back), 'name', back))
-    self.failed_swap = f"{s.kind} {s.name!r}"
-    self.reason = (f"{s.kind} {s.name!r} failed at step {step} ({failed['reason'][:300]}); the run went back to {was} and is paused "
-                   f"before step {step}: run.resume() trains it with {was}, or swap in a fixed {s.kind} first")
-    if not self.stop_requested: self.pause_after = step - 1
+        if self.reward is s:
+            self.reward = self._swap_named(back, 'reward')
+            self.reward_fn = None if self.reward is None else cloudpickle.loads(self.reward.payload)
+        return back
+    if _in_use(self.cfg.algo, s.kind) == s.key: self.cfg = replace(self.cfg, algo=_with(self.cfg.algo, s.kind, back))
+    await self._call('go_back', s.kind, s.key, back)
+    return back
+
+@patch
+async def _go_back(self:RunOrchestrator, failures:list, step:int, work:dict):
+    "Take out the swaps that failed in `step` (`failures`: kind, key, reason of each), and pause before `step` saying why"
+    said = []
+    for f in failures:
+        s = self._swap_named(f['key'], f['kind'])
+        if s is None: raise RuntimeError(f"the trainer reports that {f['kind']} {f['key']!r} failed, but no swap has that key: {f['reason']}")
+        s.failed = f"step {step}: {f['reason']}"
+        back = await self._take_out(s)
+        work['failures'].append(s)
+        was = "the environment's reward" if back is None else repr(getattr(self._swap_named(back, s.kind), 'name', back))
+        later = [q.name for q in self.queued if q.kind == s.kind] # queued since: the last one trains the step
+        said.append(f"{s.kind} {s.name!r} failed at step {step} ({f['reason'][:300]}); the run went back to {was}"
+                    + (f", but {later[-1]!r}, queued since, trains step {step}" if later else ''))
+    kinds = ' and '.join(dict.fromkeys(s.kind for s in work['failures'][-len(failures):]))
+    if self.stop_requested:
+        self.reason = f"{'; '.join(said)}. The run is stopping: it trains step {step} so, then ends"
+        return
+    self.failed_swap = ', '.join(f"{s.kind} {s.name!r}" for s in work['failures'][-len(failures):])
+    self.reason = f"{'; '.join(said)}. It is paused before step {step}: run.resume() trains it, or swap in a fixed {kinds} first"
+    self.pause_after = step - 1
 
 # %% ../nbs/15_controller.ipynb #9840b5f4
 CHECK_SECONDS = 5.0 # a swap's check (golden and degenerate batches) taking longer is refused; `timeout=` of set_estimator etc. changes it
@@ -400,21 +442,26 @@ CHECK_SECONDS = 5.0 # a swap's check (golden and degenerate batches) taking long
 class _CheckTimeout(BaseException): "Raised inside a check's thread once the check ran past its time limit"
 
 async def _limited(fn, seconds:float):
-    "fn() in a daemon thread; raises TimeoutError after `seconds`, and interrupts the thread"
-    fut = concurrent.futures.Future()
+    "fn() in a daemon thread; raises TimeoutError after `seconds`, and interrupts the thread if fn is still running"
+    fut, lock, done = concurrent.futures.Future(), threading.Lock(), []
     def target():
-        try: out, err = fn(), None
-        except BaseException as e: out, err = None, e
-        if not fut.set_running_or_notify_cancel(): return
-        if err is None: fut.set_result(out)
-        else: fut.set_exception(err)
+        try:
+            try: out, err = fn(), None
+            except BaseException as e: out, err = None, e
+            with lock: done.append(True) # from here on, no interrupt can be aimed at this thread
+        except _CheckTimeout: return # it struck after fn returned: nobody waits for the result any more
+        if fut.set_running_or_notify_cancel():
+            if err is None: fut.set_result(out)
+            else: fut.set_exception(err)
     t = threading.Thread(target=target, daemon=True, name='molt-swap-check')
     t.start()
     try: return await asyncio.wait_for(asyncio.wrap_future(fut), seconds)
     except asyncio.TimeoutError:
-        # a thread cannot be killed: an exception raised in it ends a check looping in Python (one inside a long C call
-        # ends when that call returns)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_CheckTimeout))
+        # a thread cannot be killed: an exception raised in it ends a check looping in Python. It cannot stop a long C
+        # call or a sleep (it strikes when they return), nor a check that catches it (a bare except): such a thread is
+        # abandoned, running on as a daemon. Aimed only while fn runs, so it never lands in another thread
+        with lock:
+            if not done: ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_CheckTimeout))
         raise TimeoutError(f"its check ran past {seconds} s") from None
 
 @patch
@@ -422,7 +469,8 @@ def _refusal(self:RunOrchestrator, kind:str) -> str:
     "Why a swap into a run that has ended (or is ending) is refused, and what to do instead"
     why = dict(failed=f"failed ({self.error})", stopping='stopping after the step in hand').get(self.state, self.state)
     return (f"run {self.name!r} is {why} at step {self._logged()}: a new {kind} would never take effect. To train with it, "
-            f"launch(cfg, resume=True) continues the run from its last checkpoint with its swaps (run.kill() first frees the name); swap it in there")
+            f"launch(cfg, resume=True) continues the run from its last checkpoint with its swaps (run.kill() first frees the "
+            f"name); swap it in there")
 
 @patch
 async def swap(self:RunOrchestrator, s:Swap, whiten:bool=False, timeout:float|None=None) -> dict:
@@ -432,10 +480,15 @@ async def swap(self:RunOrchestrator, s:Swap, whiten:bool=False, timeout:float|No
     try:
         fn = None if s.kind == 'config' else cloudpickle.loads(s.payload)
         check = dict(estimator=lambda: check_estimator(fn, whiten), loss=lambda: check_loss(fn, self.cfg.algo.loss),
-                     reward=lambda: check_reward(fn, self.tokenizer), config=lambda: updated_config(self.cfg, fn or cloudpickle.loads(s.payload)))[s.kind]
+                     reward=lambda: check_reward(fn, self.tokenizer),
+                     config=lambda: updated_config(self.cfg, fn or cloudpickle.loads(s.payload)))[s.kind]
         try: out = await _limited(check, timeout)
-        except TimeoutError: raise SwapRejected(f"{s.kind} {s.name!r} took over {timeout} s on the golden batches; the run keeps its {s.kind} (a slower check needs a larger timeout=)") from None
+        except TimeoutError:
+            raise SwapRejected(f"{s.kind} {s.name!r} took over {timeout} s on the golden batches; the run keeps its {s.kind} "
+                               f"(a slower check needs a larger timeout=)") from None
     except Exception as e: return dict(accepted=False, error=str(e) if isinstance(e, SwapRejected) else f"{type(e).__name__}: {e}")
+    # the run may have ended (or been stopped) while the check ran
+    if self.state in (*ENDED, 'stopping'): return dict(accepted=False, error=self._refusal(s.kind))
     if s.kind == 'estimator': s = replace(s, payload=cloudpickle.dumps((fn, whiten)))
     elif s.kind == 'config':
         s = replace(s, payload=cloudpickle.dumps((out.algo, out.optim, cloudpickle.loads(s.payload))))
@@ -451,7 +504,7 @@ def _take(self:RunOrchestrator, s:Swap):
         s.key = f"swap/{s.name}" + (f"#{same + 1}" if same else '')
     if s.failed is None:
         if s.kind in ('estimator', 'loss'):
-            if s.replaces is None: s.replaces = self.cfg.algo.estimator if s.kind == 'estimator' else self.cfg.algo.loss.policy_loss
+            if s.replaces is None: s.replaces = _in_use(self.cfg.algo, s.kind)
             self.cfg = replace(self.cfg, algo=_registered(s, self.cfg.algo))
         elif s.kind == 'reward' and s.replaces is None:
             s.replaces = next((x.key for x in reversed(self.swaps) if x.kind == 'reward' and x.failed is None), None)
@@ -710,6 +763,8 @@ def launch(config, # a RunConfig, or a recipe directory
     "Start a run as a detached named actor that outlives this kernel"
     import ray
     cfg = config if isinstance(config, RunConfig) else load_config(config)
+    # a broken recipe is named here, in seconds (a tiny stand-in model runs one rollout), not in the run's status later
+    check_recipe(cfg)
     if not ray.is_initialized(): connect()
     name = name or Path(cfg.run_dir).name
     try: ray.get_actor(name, namespace=NAMESPACE)

@@ -105,9 +105,9 @@ def batch_normalised(x):  # fine on the golden batch, NaN on a batch whose rewar
     return to_tokens(x, (R - R.mean()) / R.std())
 def hang(x):
     while True: pass
-def flaky(x, calls=[]):  # passes every check (golden batches have 14 or 15 rows), breaks on its second batch of the run
+def flaky(x, calls=[]):  # passes every check (golden batches carry critic values, a run's do not), breaks on its second batch of the run
     from molt_nb.estimators import rloo
-    if len(x.rewards) not in (14, 15): calls.append(1)
+    if x.values is None: calls.append(1)
     if len(calls) >= 2: raise RuntimeError('flaky broke on a real batch')
     return rloo(x)
 def refusal(fn, *args, **kw):
