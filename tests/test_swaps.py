@@ -57,13 +57,22 @@ async def boundary_after_failure(orch, work:dict) -> dict:
     await until(orch, task.done, 'the resumed step to train')
     return task.result(), paused
 
+def running(cfg, trainer=None) -> RunOrchestrator:
+    "An in-process orchestrator of `cfg` in the 'running' state, its trainer a `StubTrainer`"
+    orch = RunOrchestrator(cfg, trainer or StubTrainer())
+    orch.state = 'running'
+    return orch
+
+def next_boundary(orch:RunOrchestrator) -> asyncio.Future:
+    "The orchestrator's next step boundary (swaps, rescoring, the trainer call) on the golden rollouts, as a task"
+    return asyncio.ensure_future(orch._train_at_boundary(dict(trajectories=_trajectories(), batch=None)))
+
 def test_failed_reward_swap_goes_back_to_env_reward_and_keeps_the_steps_other_swaps(tmp_path):
     """A reward swap failing in the step it arrives with, along with a config and an estimator swap: the run goes back
     to the environment's reward (not to the config swap, whose key is None like the reward's `replaces`), and the step
     is trained with the config and estimator swaps (which used to be dropped from the retry)"""
     async def main():
-        orch = RunOrchestrator(toy(tmp_path, 'loop.steps=1'), StubTrainer())
-        orch.state = 'running'
+        orch = running(toy(tmp_path, 'loop.steps=1'))
         lr = queue(orch, config_swap(orch, {'optim.lr': 5e-4}))
         est = queue(orch, Swap('estimator', 'rloo', '', cloudpickle.dumps((rloo, False))))
         bad = queue(orch, make_swap('reward', broken))
@@ -87,8 +96,7 @@ def test_every_install_failure_goes_back(tmp_path):
     out = RunTrainer(cfg).train_step(None, [a, b]) # installs fail before the batch is read
     assert [(f['kind'], f['key']) for f in out['failed']] == [('estimator', 'swap/a'), ('estimator', 'swap/b')], out
     async def main():
-        orch = RunOrchestrator(cfg, StubTrainer(fail=out['failed']))
-        orch.state = 'running'
+        orch = running(cfg, StubTrainer(fail=out['failed']))
         for s in (Swap('estimator', n, '', cloudpickle.dumps((rloo, False))) for n in ('a', 'b')): queue(orch, s)
         _, paused = await boundary_after_failure(orch, dict(batch=None))
         assert paused['failed_swap'] == "estimator 'a', estimator 'b'", paused
@@ -101,8 +109,7 @@ def test_every_install_failure_goes_back(tmp_path):
 def test_swap_refused_when_the_run_ended_during_its_check(tmp_path):
     "A swap whose check was running when the run ended is refused, not queued into a run that will never take it"
     async def main():
-        orch = RunOrchestrator(toy(tmp_path, 'loop.steps=1'), StubTrainer())
-        orch.state = 'running'
+        orch = running(toy(tmp_path, 'loop.steps=1'))
         def slow(x):
             time.sleep(0.2)
             return rloo(x)
@@ -121,10 +128,9 @@ def test_hanging_reward_fails_within_the_time_limit_and_leaves_the_loop_free(tmp
     """A swapped reward that takes too long on the batch fails like one that raises (the run goes back to the
     environment's reward), after rollout.timeout_s, and the event loop answers status() meanwhile"""
     async def main():
-        orch = RunOrchestrator(toy(tmp_path, 'loop.steps=1', 'rollout.timeout_s=1'), StubTrainer())
-        orch.state = 'running'
+        orch = running(toy(tmp_path, 'loop.steps=1', 'rollout.timeout_s=1'))
         slow = queue(orch, make_swap('reward', slow_reward))
-        task = asyncio.ensure_future(orch._train_at_boundary(dict(trajectories=_trajectories(), batch=None)))
+        task = next_boundary(orch)
         ticks, start = 0, time.monotonic()
         while orch.state != 'paused' and time.monotonic() - start < LIMIT_S:
             await orch.status()
@@ -139,10 +145,9 @@ def test_hanging_reward_fails_within_the_time_limit_and_leaves_the_loop_free(tmp
 def test_stop_during_a_failure_pause_says_stopping(tmp_path):
     "stop() while a failed swap holds the run paused: the status no longer says it is paused nor names the failed swap"
     async def main():
-        orch = RunOrchestrator(toy(tmp_path, 'loop.steps=1'), StubTrainer())
-        orch.state = 'running'
+        orch = running(toy(tmp_path, 'loop.steps=1'))
         queue(orch, make_swap('reward', broken))
-        task = asyncio.ensure_future(orch._train_at_boundary(dict(trajectories=_trajectories(), batch=None)))
+        task = next_boundary(orch)
         await until(orch, lambda: orch.state == 'paused', 'the failure to pause the run')
         st = await orch.stop()
         assert st['failed_swap'] is None and 'paused' not in st['reason'] and 'stop()' in st['reason'], st
