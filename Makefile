@@ -25,6 +25,10 @@ $(STAMP):
 	touch $(STAMP)
 
 setup: $(STAMP)
+	@# the tool sandbox runs model-written code under bubblewrap (Debian's package): installed here when this user can
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }; } || \
+	  echo "note: bubblewrap (bwrap) is missing: the tool recipes and their tests need it (apt-get install bubblewrap)"
 
 ## make run: the main job on the embedded default (RL on CPU that visibly learns; under 10 minutes).
 run: setup
