@@ -6,15 +6,18 @@
 __all__ = ['SandboxUnavailable', 'Sandbox', 'run_python']
 
 # %% ../nbs/06_tools.ipynb #d260b59a
-import asyncio, codecs, contextlib, ctypes, json, os, shutil, signal, subprocess, sys, tempfile
+import asyncio, codecs, contextlib, ctypes, json, os, platform, secrets, shutil, signal, struct, subprocess, sys, tempfile
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from fastcore.basics import patch
 
 # %% ../nbs/06_tools.ipynb #a1b8da39
 _BOOT = r'''
 import resource, sys
+import os
 for name, value in LIMITS.items(): resource.setrlimit(getattr(resource, name), (value, value))
+if UID is not None: os.setgroups([]); os.setgid(UID); os.setuid(UID)  # under a root runner: a uid of its own, no capabilities
 sys.path.extend(PATHS)
 code = sys.stdin.read()
 def _second_layer():
@@ -25,7 +28,7 @@ def _second_layer():
             raise PermissionError(f"the sandbox refuses {event}: no network, processes or native calls here")
     sys.addaudithook(guard)
 _second_layer()
-del _second_layer, LIMITS, PATHS
+del _second_layer, LIMITS, PATHS, UID, os
 exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__'})
 '''
 
@@ -52,22 +55,46 @@ def _view(binds:tuple) -> list:
         elif os.path.isdir(d): args += ['--ro-bind', d, d]
     for f in ('/etc/ld.so.cache', '/etc/localtime'): args += ['--ro-bind-try', f, f]
     for p in (_interpreter()[1], *binds):
-        if not p.startswith('/usr/'): args += ['--ro-bind', p, p]
+        if p.startswith('/usr/'): continue
+        parents = [str(a) for a in reversed(Path(p).parents) if str(a) != '/']
+        args += [x for a in parents for x in ('--perms', '0755', '--dir', a)] + ['--ro-bind', p, p]  # e.g. /root, which is 0700
     return args
 
-def _isolation(binds:tuple=(), scratch_mb:int=16) -> list:
-    "bwrap's options: every namespace new, no capabilities, no nested user namespaces, an empty environment"
-    return ['--unshare-user', '--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try',
-            '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534', '--die-with-parent', '--new-session',
-            *_view(binds), '--proc', '/proc', '--dev', '/dev', '--size', str(scratch_mb * 2**20), '--tmpfs', '/tmp', '--chdir', '/tmp',
-            '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
+def _no_userns() -> bytes:
+    """A seccomp program (classic BPF) refusing new user namespaces: unshare/clone with CLONE_NEWUSER get EPERM, clone3 gets
+    ENOSYS (libc then falls back to clone), other ABIs (i386, x32) get EPERM; everything else is allowed"""
+    arch, clone, unshare, clone3 = {'x86_64': (0xC000003E, 56, 272, 435), 'aarch64': (0xC00000B7, 220, 97, 435)}[platform.machine()]
+    LD, JEQ, JGE, JSET, RET, ALLOW, EPERM, ENOSYS = 0x20, 0x15, 0x35, 0x45, 0x06, 0x7FFF0000, 0x50001, 0x50026
+    op = lambda code, k, jt=0, jf=0: struct.pack('HBBI', code, jt, jf, k)
+    return b''.join([op(LD, 4), op(JEQ, arch, 1, 0), op(RET, EPERM), op(LD, 0), op(JGE, 0x40000000, 0, 1), op(RET, EPERM),
+                     op(JEQ, clone3, 0, 1), op(RET, ENOSYS), op(JEQ, clone, 1, 0), op(JEQ, unshare, 0, 3),
+                     op(LD, 16), op(JSET, 0x10000000, 0, 1), op(RET, EPERM), op(RET, ALLOW)])
+
+def _seccomp_fd() -> int:
+    "A file descriptor holding `_no_userns` for bwrap's --seccomp (the caller closes it)"
+    fd = os.memfd_create('molt-seccomp')
+    os.write(fd, _no_userns()); os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
+    """bwrap's options: new PID, mount, network, IPC and UTS namespaces, no new user namespaces, an empty environment.
+    Run by an ordinary user, bwrap also makes a user namespace in which the code is uid 65534 without capabilities. Run
+    by root, that would leave the code's processes root outside (exempt from RLIMIT_NPROC): bwrap keeps only the
+    capability to change uid, and the code's first act is to drop to a uid of its own (see `_BOOT`)."""
+    user = (['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID'] if os.geteuid() == 0 else
+            ['--unshare-user', '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534'])
+    return ['--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try', *user, '--seccomp', str(seccomp_fd),
+            '--die-with-parent', '--new-session', *_view(binds), '--proc', '/proc', '--dev', '/dev', '--perms', '1777', '--size', str(scratch_mb * 2**20),
+            '--tmpfs', '/tmp', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
 
 @cache
 def _bwrap(exe:str|None=None) -> str:
     "The bwrap binary, once checked that it builds the sandbox here; `SandboxUnavailable` says what to enable"
     path = shutil.which(exe or 'bwrap')
     if path is None: raise SandboxUnavailable(f"bubblewrap (`{exe or 'bwrap'}`) is not installed or not on PATH. {_HINT}")
-    r = subprocess.run([path, *_isolation(), _interpreter()[0], '-I', '-c', 'pass'], capture_output=True, text=True, timeout=30, env={'PATH': '/usr/bin:/bin'})
+    fd = _seccomp_fd()
+    try: r = subprocess.run([path, *_isolation(fd), _interpreter()[0], '-I', '-c', 'pass'], capture_output=True, text=True, timeout=30, env={'PATH': '/usr/bin:/bin'}, pass_fds=(fd,))
+    finally: os.close(fd)
     if r.returncode != 0: raise SandboxUnavailable(f"bubblewrap could not build the sandbox here ({r.stderr.strip() or f'exit code {r.returncode}'}). {_HINT}")
     return path
 
@@ -97,15 +124,16 @@ class Sandbox:
         if bad: raise ValueError(f"Sandbox.binds has {bad}: give existing absolute paths")
 
 @patch
-def command(self:Sandbox, status_fd:int|None=None) -> list:
-    "The command line of one run: the interpreter under bwrap (which writes its status to `status_fd`), or alone when unsafe"
+def command(self:Sandbox, status_fd:int|None=None, seccomp_fd:int|None=None) -> list:
+    "The command line of one run: the interpreter under bwrap (status written to `status_fd`, seccomp program read from `seccomp_fd`), or alone when unsafe"
     limits = dict(RLIMIT_AS=self.memory_mb * 2**20, RLIMIT_CPU=int(self.timeout_s) + 1, RLIMIT_FSIZE=self.file_mb * 2**20,
                   RLIMIT_NOFILE=64, RLIMIT_CORE=0)
     if not self.unsafe: limits['RLIMIT_NPROC'] = self.max_processes  # counted per user namespace; unsafe, it would count all of the user's
     binds = [os.path.realpath(p) for p in self.binds]
-    python = [_interpreter()[0], '-I', '-u', '-X', 'utf8', '-c', f"LIMITS = {limits!r}\nPATHS = {binds!r}\n{_BOOT}"]
+    uid = 2**31 + secrets.randbelow(2**31 - 2) if os.geteuid() == 0 and not self.unsafe else None  # its own, so NPROC counts this run only
+    python = [_interpreter()[0], '-I', '-u', '-X', 'utf8', '-c', f"LIMITS = {limits!r}\nPATHS = {binds!r}\nUID = {uid!r}\n{_BOOT}"]
     if self.unsafe: return python
-    return [_bwrap(self.bwrap), *_isolation(tuple(binds), self.scratch_mb), *(['--json-status-fd', str(status_fd)] if status_fd is not None else []), *python]
+    return [_bwrap(self.bwrap), *_isolation(seccomp_fd, tuple(binds), self.scratch_mb), '--json-status-fd', str(status_fd), *python]
 
 # %% ../nbs/06_tools.ipynb #4f4a632d
 class _Output:
@@ -168,12 +196,13 @@ async def run(self:Sandbox, code:str) -> str:
     data = code.encode(errors='replace')
     if len(data) > 2**20: return f"error: the code is {len(data)} bytes; the sandbox takes at most 1 MiB"
     r, w = (None, None) if self.unsafe else os.pipe()
+    seccomp = None if self.unsafe else _seccomp_fd()
     try:
-        cmd = self.command(w)
+        cmd = self.command(w, seccomp)
         with tempfile.TemporaryDirectory(prefix='molt-tool-') as cwd:  # the unsafe run's working directory
             proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                         cwd=cwd, env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'}, start_new_session=True,
-                                                        pass_fds=() if w is None else (w,))
+                                                        pass_fds=() if self.unsafe else (w, seccomp))
             if w is not None: os.close(w); w = None
             init = None if r is None else asyncio.ensure_future(_init(os.fdopen(r, 'rb', 0), proc.pid))
             r, out, late, ended = None, _Output(self.max_output, max(2**20, 8 * self.max_output)), '', False
@@ -185,7 +214,7 @@ async def run(self:Sandbox, code:str) -> str:
             except asyncio.TimeoutError: late = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
             finally: await _end(proc, init, 2 if ended else 0)
     finally:
-        for fd in (r, w):
+        for fd in (r, w, seccomp):
             if fd is not None: os.close(fd)
     return f"{out}\n{late}" if late and out.chars else late or str(out)
 
