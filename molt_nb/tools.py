@@ -206,10 +206,12 @@ async def run(self:Sandbox, code:str) -> str:
             if w is not None: os.close(w); w = None
             init = None if r is None else asyncio.ensure_future(_init(os.fdopen(r, 'rb', 0), proc.pid))
             r, out, late, ended = None, _Output(self.max_output, max(2**20, 8 * self.max_output)), '', False
-            try:
+            async def feed_and_read():
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     proc.stdin.write(data); await proc.stdin.drain(); proc.stdin.close()
-                await asyncio.wait_for(out.read(proc.stdout), self.timeout_s)
+                await out.read(proc.stdout)
+            try:
+                await asyncio.wait_for(feed_and_read(), self.timeout_s)
                 ended = out.bytes <= out.stop  # the output's end: the program is exiting
             except asyncio.TimeoutError: late = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
             finally: await _end(proc, init, 2 if ended else 0)

@@ -6,7 +6,7 @@ runner is a separate process holding secrets in its environment and home, so tha
 reads it shows here as a dead runner or a leaked secret, not as a dead pytest. Processes the code starts
 carry a marker in their command line and are found by pid from outside while they run.
 """
-import asyncio, json, os, socket, subprocess, sys, tempfile, threading, time
+import asyncio, ctypes, json, os, socket, subprocess, sys, tempfile, threading, time
 from pathlib import Path
 import pytest
 from molt_nb.tools import Sandbox, SandboxUnavailable, run_python
@@ -176,11 +176,12 @@ def test_output_floods_cost_the_runner_nothing(home):
         assert len(r['text']) < 2200
 
 def test_limits_hold():
-    "Files over file_mb fail; /usr is read-only; the scratch dir is private to each call"
+    "Files over file_mb fail; the scratch dir is private to each call; the runner is undumpable after a call"
     out = asyncio.run(run_python('open("big", "wb").write(b"x" * 3 * 2**20)', file_mb=1))
     assert 'File size limit exceeded' in out or 'OSError' in out or out == '', out
     asyncio.run(run_python('open("/tmp/left", "w").write("x")'))
     assert asyncio.run(run_python('import os; print(os.listdir("/tmp"))')) == '[]\n'
+    assert ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0, 'the runner is still dumpable (PR_GET_DUMPABLE)'
 
 def test_refuses_without_isolation(home):
     "No bwrap, or a kernel that refuses the namespaces: SandboxUnavailable says what to enable; unsafe=True is the explicit way out"
