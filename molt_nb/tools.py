@@ -18,17 +18,20 @@ import resource, sys
 import os
 for name, value in LIMITS.items(): resource.setrlimit(getattr(resource, name), (value, value))
 if UID is not None: os.setgroups([]); os.setgid(UID); os.setuid(UID)  # under a root runner: a uid of its own, no capabilities
-sys.path.extend(PATHS)
+import builtins  # no `site` (it costs 30 ms a call): exit() and quit() still work, `binds` are site directories
+builtins.exit = builtins.quit = sys.exit
+if PATHS:
+    import site
+    for p in PATHS: site.addsitedir(p)
 code = sys.stdin.read()
-def _second_layer():
+def _second_layer(deny:tuple):
     "Python-level refusals under the kernel's isolation: a second layer only (code can disable it)"
     def guard(event, args):
-        if event.startswith(('socket.', 'subprocess.', 'os.system', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.fork',
-                             'os.forkpty', 'pty.', 'ctypes.', 'os.kill', 'os.killpg')):
+        if event.startswith(deny):
             raise PermissionError(f"the sandbox refuses {event}: no network, processes or native calls here")
     sys.addaudithook(guard)
-_second_layer()
-del _second_layer, LIMITS, PATHS, UID, os
+_second_layer(DENY)
+del _second_layer, LIMITS, PATHS, UID, DENY, os, builtins
 exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__'})
 '''
 
@@ -113,7 +116,7 @@ class Sandbox:
     max_processes:int=16 # processes and threads it may run at once
     file_mb:int=1 # largest file it may write
     scratch_mb:int=16 # size of its private, writable /tmp (its working directory, in memory)
-    binds:tuple=() # extra read-only paths, also put on sys.path (e.g. a site-packages with numpy)
+    binds:tuple=() # extra read-only paths, also site directories on sys.path (e.g. a site-packages with numpy)
     unsafe:bool=False # no kernel isolation, only limits and the audit hook: an explicit opt-in
     bwrap:str|None=None # the bubblewrap binary (default: `bwrap` on PATH)
 
@@ -131,7 +134,9 @@ def command(self:Sandbox, status_fd:int|None=None, seccomp_fd:int|None=None) -> 
     if not self.unsafe: limits['RLIMIT_NPROC'] = self.max_processes  # counted per user namespace; unsafe, it would count all of the user's
     binds = [os.path.realpath(p) for p in self.binds]
     uid = 2**31 + secrets.randbelow(2**31 - 2) if os.geteuid() == 0 and not self.unsafe else None  # its own, so NPROC counts this run only
-    python = [_interpreter()[0], '-I', '-u', '-X', 'utf8', '-c', f"LIMITS = {limits!r}\nPATHS = {binds!r}\nUID = {uid!r}\n{_BOOT}"]
+    deny = ('socket.', 'subprocess.', 'os.system', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.fork', 'os.forkpty', 'pty.', 'os.kill', 'os.killpg')
+    if self.unsafe: deny += ('ctypes.',)  # under the kernel's isolation native code is bounded too (and numpy needs ctypes)
+    python = [_interpreter()[0], '-I', '-S', '-u', '-X', 'utf8', '-c', f"LIMITS = {limits!r}\nPATHS = {binds!r}\nUID = {uid!r}\nDENY = {deny!r}\n{_BOOT}"]
     if self.unsafe: return python
     return [_bwrap(self.bwrap), *_isolation(seccomp_fd, tuple(binds), self.scratch_mb), '--json-status-fd', str(status_fd), *python]
 

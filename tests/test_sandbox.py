@@ -6,7 +6,7 @@ runner is a separate process holding secrets in its environment and home, so tha
 reads it shows here as a dead runner or a leaked secret, not as a dead pytest. Processes the code starts
 carry a marker in their command line and are found by pid from outside while they run.
 """
-import asyncio, ctypes, json, os, socket, subprocess, sys, tempfile, threading, time
+import asyncio, ctypes, json, os, socket, subprocess, sys, sysconfig, tempfile, threading, time
 from pathlib import Path
 import pytest
 from molt_nb.tools import Sandbox, SandboxUnavailable, run_python
@@ -16,7 +16,9 @@ SECRET = 'sekrit-' + os.urandom(6).hex()
 UNHOOK = '''import gc, __main__
 __main__._DENY = ()  # the audit hook of old, read from a global
 for f in gc.get_objects():
-    if getattr(f, '__name__', None) == 'guard': f.__code__ = (lambda event, args: None).__code__
+    if getattr(f, '__name__', None) == 'guard':  # the audit hook: empty its deny list, or replace its code
+        if f.__closure__: f.__closure__[0].cell_contents = ()
+        else: f.__code__ = (lambda event, args: None).__code__
 import os, signal, socket, subprocess, sys, time
 def attempt(name, f):
     try: print(name, 'DONE', repr(f())[:200], flush=True)
@@ -193,3 +195,9 @@ def test_refuses_without_isolation(home):
                        capture_output=True, text=True, timeout=60, env=dict(PATH=os.environ['PATH'], PYTHONPATH=str(ROOT)))
     assert 'could not build the sandbox' in r.stdout and 'unprivileged user namespaces' in r.stdout and 'unsafe=True' in r.stdout, r.stdout + r.stderr
     assert r.stdout.endswith('unsafe=True.\n2\n\n'), r.stdout
+
+def test_binds_add_packages():
+    "The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the kernel bounds)"
+    site = sysconfig.get_paths()['purelib']
+    assert 'ModuleNotFoundError' in asyncio.run(run_python('import numpy'))
+    assert asyncio.run(run_python('import numpy; print(numpy.arange(4).sum())', binds=(site,), memory_mb=1024)) == '6\n'
