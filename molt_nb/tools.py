@@ -93,6 +93,7 @@ def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
 @cache
 def _bwrap(exe:str|None=None) -> str:
     "The bwrap binary, once checked that it builds the sandbox here; `SandboxUnavailable` says what to enable"
+    if sys.platform != 'linux': raise SandboxUnavailable(f"the sandbox needs Linux namespaces (this is {sys.platform}): run the tool in a Linux machine or container. {_HINT}")
     path = shutil.which(exe or 'bwrap')
     if path is None: raise SandboxUnavailable(f"bubblewrap (`{exe or 'bwrap'}`) is not installed or not on PATH. {_HINT}")
     fd = _seccomp_fd()
