@@ -334,6 +334,10 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self): yield
 
+def _token_chars(tokenizer) -> int:
+    "Characters one token covers at most: the longest token, times 4 (a normalizer such as NFC composes up to four code points into one)"
+    return 4 * max(len(t) for t in tokenizer.get_vocab())
+
 @dataclass
 class ChatLimits:
     "What one request may hold: beyond, a 413 (the body) or a 400 (the rest), before any work is spent on it"
@@ -515,6 +519,37 @@ def _too_large(size:int, limit:int, prefix:str='') -> ChatError:
     return ChatError(413, 'request_too_large', f"the body is {prefix}{size} bytes and this server takes at most {limit} (ChatLimits.max_body_bytes): "
                      "shorten or compact the conversation, or start the server with a larger limit", code='request_too_large')
 
+# %% ../nbs/06_chat_server.ipynb #h1lim05
+def _at_most(items, limit:int, where:str, name:str, advice:str):
+    if isinstance(items, list) and len(items) > limit:
+        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
+
+def _check_counts(data:dict, limits:ChatLimits, wire:str):
+    "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
+    _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
+    _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
+    stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
+    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
+    _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
+    for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
+        if not isinstance(m, dict): continue  # the decoder names it
+        content, where = m.get('content'), f"messages[{i}]"
+        _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
+        if wire == 'anthropic':
+            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
+            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
+        else: _check_openai_calls(m, where, limits)
+
+def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
+    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
+    calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+    if calls is None: return
+    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
+    _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
+    for j, c in enumerate(calls):
+        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
+            raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
+
 # %% ../nbs/06_chat_server.ipynb #h1lim03
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F][0-9a-fA-F]{2}')
 
@@ -547,42 +582,7 @@ def _parse(raw:bytes, limits:ChatLimits, wire:str) -> dict:
     _check_counts(data, limits, wire)
     return data
 
-# %% ../nbs/06_chat_server.ipynb #h1lim05
-def _at_most(items, limit:int, where:str, name:str, advice:str):
-    if isinstance(items, list) and len(items) > limit:
-        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
-
-def _check_counts(data:dict, limits:ChatLimits, wire:str):
-    "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
-    _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
-    _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
-    stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
-    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
-    _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
-    for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
-        if not isinstance(m, dict): continue  # the decoder names it
-        content, where = m.get('content'), f"messages[{i}]"
-        _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
-        if wire == 'anthropic':
-            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
-            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
-        else: _check_openai_calls(m, where, limits)
-
-def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
-    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
-    calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
-    if calls is None: return
-    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
-    _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
-    for j, c in enumerate(calls):
-        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
-            raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
-
 # %% ../nbs/06_chat_server.ipynb #h1lim07
-def _token_chars(tokenizer) -> int:
-    "Characters one token covers at most: the longest token, times 4 (a normalizer such as NFC composes up to four code points into one)"
-    return 4 * max(len(t) for t in tokenizer.get_vocab())
-
 def _fits(server:ChatServer, s:Session, messages:list, *rest) -> tuple:
     "The decoded request, refused at once when its text alone cannot fit the session's context (nothing tokenised yet)"
     chars = sum(len(m['content'].strip()) for m in messages if m['role'] != 'assistant')  # templates may trim; assistant turns are ours
