@@ -519,37 +519,6 @@ def _too_large(size:int, limit:int, prefix:str='') -> ChatError:
     return ChatError(413, 'request_too_large', f"the body is {prefix}{size} bytes and this server takes at most {limit} (ChatLimits.max_body_bytes): "
                      "shorten or compact the conversation, or start the server with a larger limit", code='request_too_large')
 
-# %% ../nbs/06_chat_server.ipynb #h1lim05
-def _at_most(items, limit:int, where:str, name:str, advice:str):
-    if isinstance(items, list) and len(items) > limit:
-        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
-
-def _check_counts(data:dict, limits:ChatLimits, wire:str):
-    "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
-    _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
-    _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
-    stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
-    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
-    _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
-    for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
-        if not isinstance(m, dict): continue  # the decoder names it
-        content, where = m.get('content'), f"messages[{i}]"
-        _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
-        if wire == 'anthropic':
-            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
-            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
-        else: _check_openai_calls(m, where, limits)
-
-def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
-    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
-    calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
-    if calls is None: return
-    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
-    _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
-    for j, c in enumerate(calls):
-        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
-            raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
-
 # %% ../nbs/06_chat_server.ipynb #h1lim03
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F][0-9a-fA-F]{2}')
 
@@ -581,6 +550,47 @@ def _parse(raw:bytes, limits:ChatLimits, wire:str) -> dict:
         except UnicodeEncodeError: raise _bad("the body has a lone surrogate escape (\\ud800-\\udfff without its pair): send text as UTF-8, or a character beyond U+FFFF as a surrogate pair") from None
     _check_counts(data, limits, wire)
     return data
+
+# %% ../nbs/06_chat_server.ipynb #h1lim05
+def _at_most(items, limit:int, where:str, name:str, advice:str):
+    if isinstance(items, list) and len(items) > limit:
+        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
+
+def _check_counts(data:dict, limits:ChatLimits, wire:str):
+    "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
+    _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
+    _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
+    stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
+    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
+    _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
+    for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
+        if not isinstance(m, dict): continue  # the decoder names it
+        content, where = m.get('content'), f"messages[{i}]"
+        _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
+        if wire == 'anthropic':
+            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
+            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
+        else: _check_openai_calls(m, where, limits)
+
+def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
+    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
+    calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+    if calls is None: return
+    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
+    _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
+    for j, c in enumerate(calls):
+        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
+            raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
+        _check_arguments(c['function'].get('arguments'), f"{where}.tool_calls[{j}].function.arguments", limits)
+
+def _check_arguments(arguments, where:str, limits:ChatLimits):
+    "Arguments sent as a JSON string hold the same hazards as the body (depth, huge integers); the decoder reports bad JSON"
+    if not isinstance(arguments, str): return
+    try: deep = _depth(json.loads(arguments, parse_int=_int, parse_constant=_constant), limits.max_depth) > limits.max_depth
+    except json.JSONDecodeError: return
+    except RecursionError: deep = True
+    if deep:
+        raise _bad(f"{where} nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): send back the arguments the model produced", where)
 
 # %% ../nbs/06_chat_server.ipynb #h1lim07
 def _fits(server:ChatServer, s:Session, messages:list, *rest) -> tuple:

@@ -108,6 +108,8 @@ def _hostile(wire:str) -> list:
             ('tool call is a string', calls(['x']), 400, 'tool_calls[0] is not a tool call'),
             ('function is a string', calls([dict(id='c', type='function', function='x')]), 400, 'tool_calls[0] is not a tool call'),
             ('tool call id is a number', calls([dict(id=5, type='function', function=dict(name='f', arguments='{}'))]), 400, 'not a tool call'),
+            ('arguments nested 3000 deep', calls([dict(id='c', type='function', function=dict(name='f', arguments=_nested(3000)))]), 400, 'arguments nests more than 64 levels deep'),
+            ('arguments with a 5000-digit integer', calls([dict(id='c', type='function', function=dict(name='f', arguments='{"a": ' + '9' * 5000 + '}'))]), 400, 'integer of 5000 digits'),
             ('arguments are a number', calls([dict(id='c', type='function', function=dict(name='f', arguments=5))]), 400, 'arguments'),
             ('tool_call_id is a number', raw(messages=[USER, dict(role='tool', content='3', tool_call_id=5)]), 400, 'tool_call_id'),
             ('function tool is a string', raw(tools=[dict(type='function', function='x')]), 400, 'tools[0]'),
