@@ -142,18 +142,20 @@ def test_each_hostile_input_is_a_quick_4xx_in_the_wire_shape_and_the_session_ser
         engine, server, s, urls, auth = await _serve(model)
         async with httpx2.AsyncClient(timeout=30) as http:
             await _check_serves(http, s, urls, auth, wire, 0)
-            problems = []  # every class is tried, so a failure lists all the classes that fail
+            problems, times = [], []  # every class is tried, so a failure lists all the classes that fail
             for k, (name, body, status, contains) in enumerate(_hostile(wire)):
                 state = (list(s.segments), s.key, s.turns)
                 start = time.perf_counter()
                 res = await http.post(urls[wire], headers=auth | {'content-type': 'application/json'}, content=body)
                 took = time.perf_counter() - start
+                times.append(took)
                 try:
                     _check_error(res, wire, status, contains)
                     assert took < 1.0, f"refused after {took:.2f} s"
                     assert (list(s.segments), s.key, s.turns) == state, 'the session changed'
                 except (AssertionError, KeyError, ValueError) as e: problems.append(f"{name}: {str(e)[:200]}")
                 await _check_serves(http, s, urls, auth, wire, k + 1)
+        print(f"{wire}: {len(_hostile(wire))} hostile classes, slowest refusal {max(times) * 1000:.0f} ms")
         assert not problems, '\n'.join(problems)
         await server.stop(); engine.close()
     asyncio.run(main())
@@ -183,6 +185,20 @@ def test_wrong_auth_is_refused_before_the_body_is_read(model):
                     _check_error(res, wire, 401, says)
                     assert time.perf_counter() - start < 1.0
                 await _check_serves(http, s, urls, auth, wire, 1)
+        await server.stop(); engine.close()
+    asyncio.run(main())
+
+def test_a_connection_flood_gets_503_and_the_server_recovers(model):
+    "Beyond ChatLimits.max_connections open connections uvicorn answers 503 (limit_concurrency) instead of taking more"
+    async def main():
+        engine, server, s, urls, auth = await _serve(model, max_connections=8)
+        idle = [await asyncio.open_connection('127.0.0.1', server.port) for _ in range(8)]
+        async with httpx2.AsyncClient(timeout=5) as http:
+            assert (await http.get(f"{server.url}/health")).status_code == 503
+            for _, writer in idle: writer.close()
+            await asyncio.sleep(0.2)
+            assert (await http.get(f"{server.url}/health")).status_code == 200
+            await _check_serves(http, s, urls, auth, 'openai', 0)
         await server.stop(); engine.close()
     asyncio.run(main())
 
@@ -239,6 +255,7 @@ def test_health_answers_while_10mb_bodies_are_refused(model):
                     res = await http.post(small_url, headers=small_auth, json=_good('openai', 0))
                     assert res.status_code == 200
                 await asyncio.sleep(0.1)
+        print(f"/health max {max(near.latencies + far.latencies) * 1000:.0f} ms over {len(near.latencies + far.latencies)} polls while 10 MB bodies were refused")
         for h in (near, far):
             assert not h.failures and len(h.latencies) >= 10, (h.failures, len(h.latencies))
             assert max(h.latencies) < 0.1, f"/health took {max(h.latencies) * 1000:.0f} ms"
