@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['ChatError', 'openai_error', 'anthropic_error', 'from_openai', 'from_anthropic', 'parse_tool_calls', 'Reply',
            'Session', 'chat_turn', 'OpenAIRequest', 'AnthropicRequest', 'openai_body', 'openai_events',
-           'anthropic_body', 'anthropic_events', 'ChatServer']
+           'anthropic_body', 'anthropic_events', 'ChatLimits', 'ChatServer']
 
 # %% ../nbs/06_chat_server.ipynb #73064b1d
-import asyncio, contextlib, json, logging, re, secrets, time, uuid
+import asyncio, contextlib, gc, json, logging, re, secrets, sys, time, uuid
 from dataclasses import dataclass, field
 from typing import Any
 from fastcore.basics import patch
@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from .core import Segment, SamplingParams
 from .agents import render, encode, turn_glue, absorb
 
@@ -333,6 +334,22 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self): yield
 
+def _token_chars(tokenizer) -> int:
+    "Characters one token covers at most: the longest token, times 4 (a normalizer such as NFC composes up to four code points into one)"
+    return 4 * max(len(t) for t in tokenizer.get_vocab())
+
+@dataclass
+class ChatLimits:
+    "What one request may hold: beyond, a 413 (the body) or a 400 (the rest), before any work is spent on it"
+    max_body_bytes:int=4 << 20 # the body, checked on Content-Length before reading and while reading a chunked one
+    max_messages:int=2048 # messages in one request
+    max_tools:int=128 # tools in one request (OpenAI's own limit)
+    max_tool_calls:int=128 # tool calls in one assistant message (tool_use blocks on Anthropic)
+    max_parts:int=1024 # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
+    max_stops:int=16 # stop strings
+    max_depth:int=64 # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
+    max_connections:int=1024 # uvicorn's limit_concurrency: connections and requests beyond it get a 503
+
 class ChatServer:
     "The loopback OpenAI/Anthropic chat server of one runner process"
     def __init__(self, tokenizer, # the policy's tokenizer; its chat template renders every conversation
@@ -340,9 +357,11 @@ class ChatServer:
                  port:int=0, # 0 picks a free port
                  token:str|None=None, # the bearer token clients must send (default: a fresh random one)
                  model_name:str='policy', # the one model name served
+                 limits:ChatLimits|None=None, # what one request may hold (default: `ChatLimits()`)
                 ):
         self.tokenizer, self.host, self.port, self.model_name = tokenizer, host, port, model_name
-        self.token = token or secrets.token_urlsafe(24)
+        self.token, self.limits = token or secrets.token_urlsafe(24), limits or ChatLimits()
+        self.token_chars = _token_chars(tokenizer)
         self.sessions, self.loop, self._server, self._task = {}, None, None, None
         self.app = _app(self)
 
@@ -357,8 +376,12 @@ class ChatServer:
 @patch
 async def start(self:ChatServer) -> ChatServer:
     "Serve on the running event loop; returns once the port is bound"
-    config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level='warning', access_log=False, lifespan='off')
+    config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level='warning', access_log=False, lifespan='off',
+                            limit_concurrency=self.limits.max_connections)
     self._server, self.loop = _Uvicorn(config), asyncio.get_running_loop()
+    # a full collection of the cyclic GC walks every object of the process (half a million once torch and a model are
+    # loaded) holding the GIL for ~0.3 s, and stalls every request: what is alive now is long-lived, so leave it out
+    gc.freeze()
     self._task = asyncio.ensure_future(self._server.serve())
     while not self._server.started:
         if self._task.done():
@@ -392,7 +415,9 @@ def close(self:ChatServer, session_id:str) -> Session:
 def _wire(path:str) -> str: return 'anthropic' if path.rstrip('/').endswith('/messages') else 'openai'
 
 def _error_response(e:ChatError, wire:str) -> JSONResponse:
-    return JSONResponse(anthropic_error(e) if wire == 'anthropic' else openai_error(e), status_code=e.status)
+    # SDKs retry 5xx unless told not to: only an overloaded engine (503) is worth a retry
+    headers = {'x-should-retry': 'true' if e.status == 503 else 'false'}
+    return JSONResponse(anthropic_error(e) if wire == 'anthropic' else openai_error(e), status_code=e.status, headers=headers)
 
 def _check_token(server:ChatServer, request:Request):
     auth = request.headers.get('authorization', '')
@@ -400,16 +425,21 @@ def _check_token(server:ChatServer, request:Request):
     if not (given and secrets.compare_digest(given.encode(), server.token.encode())):
         raise ChatError(401, 'authentication_error', f"{'a wrong' if given else 'no'} API key: send the run's token as the api_key (ChatContext.api_key)", code='invalid_api_key')
 
-async def _body(request:Request, model:type):
-    raw = await request.body()
-    try: data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise _bad(f"the body is not valid JSON ({e}): send a JSON object") from None
-    if not isinstance(data, dict): raise _bad(f"the body is a JSON {type(data).__name__}: send a JSON object")
+_INLINE_BYTES = 64 << 10 # bodies above this are parsed on a worker thread, so the event loop keeps serving
+
+async def _body(request:Request, model:type, limits:ChatLimits, wire:str) -> tuple:
+    "(the validated request, its size in bytes); a body beyond the limits is refused before it is parsed"
+    raw = await _read(request, limits.max_body_bytes)
+    parse = lambda: _validate(model, _parse(raw, limits, wire))
+    return (await asyncio.to_thread(parse) if len(raw) > _INLINE_BYTES else parse()), len(raw)
+
+def _validate(model:type, data:dict):
     try: return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = '.'.join(str(x) for x in err['loc'])
-        raise _bad(f"{field}: {err['msg']}", field) from None
+        got = '' if err['type'] == 'missing' else f" (got {json.dumps(err['input'])[:60]})"
+        raise _bad(f"{field}: {err['msg']}{got}: send it as the API reference documents it", field) from None
 
 # %% ../nbs/06_chat_server.ipynb #949a23af
 def _models(server:ChatServer, anthropic:bool) -> dict:
@@ -417,21 +447,25 @@ def _models(server:ChatServer, anthropic:bool) -> dict:
                               has_more=False, first_id=server.model_name, last_id=server.model_name)
     return dict(object='list', data=[dict(id=server.model_name, object='model', created=0, owned_by='molt-nb')])
 
+async def _stream(events:list):
+    for e in events: yield e  # an async iterator: Starlette would hop to a thread for every event of a plain one
+
 async def _chat(server:ChatServer, request:Request, session_id:str, wire:str):
     "One chat request of either wire"
     _check_token(server, request)
-    req = await _body(request, AnthropicRequest if wire == 'anthropic' else OpenAIRequest)
+    req, size = await _body(request, AnthropicRequest if wire == 'anthropic' else OpenAIRequest, server.limits, wire)
     if req.model != server.model_name: raise ChatError(404, 'not_found_error', f"model {req.model!r} is not served here: use {server.model_name!r} (ChatContext.model_name)", 'model', 'model_not_found')
     s = server.sessions.get(session_id)
     if s is None: raise ChatError(404, 'not_found_error', f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext", code='session_not_found')
-    messages, tools, max_tokens, stops = (_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer)
+    decode = lambda: _fits(server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer))
+    messages, tools, max_tokens, stops = await asyncio.to_thread(decode) if size > _INLINE_BYTES else decode()
     async with s.lock: r = await chat_turn(s, server.tokenizer, messages, tools, max_tokens, stops)
     if wire == 'anthropic':
         rid = f"msg_{s.id}_{r.index}"
-        if req.stream: return StreamingResponse(iter(anthropic_events(r, req.model, rid)), media_type='text/event-stream')
+        if req.stream: return StreamingResponse(_stream(anthropic_events(r, req.model, rid)), media_type='text/event-stream')
         return JSONResponse(anthropic_body(r, req.model, rid))
     rid = f"chatcmpl-{s.id}-{r.index}"
-    if req.stream: return StreamingResponse(iter(openai_events(r, req.model, rid, bool((req.stream_options or {}).get('include_usage')))), media_type='text/event-stream')
+    if req.stream: return StreamingResponse(_stream(openai_events(r, req.model, rid, bool((req.stream_options or {}).get('include_usage')))), media_type='text/event-stream')
     return JSONResponse(openai_body(r, req.model, rid))
 
 # %% ../nbs/06_chat_server.ipynb #336a4cfb
@@ -444,7 +478,7 @@ def _app(server:ChatServer) -> FastAPI:
         except ChatError as e: return _error_response(e, wire)
         except Exception as e:
             log.exception('chat request failed')
-            return _error_response(ChatError(500, 'api_error', f"the server failed on this request ({type(e).__name__}: {e}); the session is unchanged, retry it"), wire)
+            return _error_response(ChatError(500, 'api_error', f"the server failed on this request ({type(e).__name__}: {e}): a bug in the server, not in the request, so a retry fails the same way; the session is unchanged; report it with the server's log"), wire)
 
     @app.get('/health')
     async def health(): return dict(status='ok')
@@ -466,3 +500,102 @@ def _app(server:ChatServer) -> FastAPI:
         kind = 'not_found_error' if e.status_code == 404 else 'invalid_request_error'
         return _error_response(ChatError(e.status_code, kind, f"{request.method} {request.url.path}: {e.detail}; the routes are /s/{{session}}/v1/chat/completions, /s/{{session}}/v1/messages, /v1/models and /health"), _wire(request.url.path))
     return app
+
+# %% ../nbs/06_chat_server.ipynb #h1lim02
+async def _read(request:Request, limit:int) -> bytes:
+    "The body, refused with a 413 once it passes `limit` bytes (on Content-Length, or while streaming a chunked one)"
+    declared = request.headers.get('content-length', '')
+    if declared.isdigit() and int(declared) > limit: raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit: raise _too_large(size, limit, 'at least ')
+            chunks.append(chunk)
+    except ClientDisconnect: raise _bad('the client closed the connection before the whole body arrived: send it again') from None
+    return b''.join(chunks)
+
+def _too_large(size:int, limit:int, prefix:str='') -> ChatError:
+    return ChatError(413, 'request_too_large', f"the body is {prefix}{size} bytes and this server takes at most {limit} (ChatLimits.max_body_bytes): "
+                     "shorten or compact the conversation, or start the server with a larger limit", code='request_too_large')
+
+# %% ../nbs/06_chat_server.ipynb #h1lim03
+_SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F][0-9a-fA-F]{2}')
+
+def _depth(data, limit:int) -> int:
+    "How deep a parsed JSON value nests (counted up to `limit + 1`), walked level by level without recursion"
+    depth, level = 0, [data]
+    while level and depth <= limit:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
+    return depth
+
+def _int(digits:str) -> int:
+    if len(digits.lstrip('-')) > sys.get_int_max_str_digits(): raise _bad(f"the body has an integer of {len(digits)} digits: send integers of at most {sys.get_int_max_str_digits()} digits")
+    return int(digits)
+
+def _constant(name:str): raise _bad(f"the body has {name}, which is not JSON: send a number or null")
+
+def _parse(raw:bytes, limits:ChatLimits, wire:str) -> dict:
+    "The body as a JSON object, checked against the limits"
+    deep = _bad(f"the body nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): flatten the JSON (tool schemas rarely need 10 levels)")
+    try: data = json.loads(raw, parse_int=_int, parse_constant=_constant)
+    except RecursionError: raise deep from None  # the C parser stops at Python's recursion limit
+    except UnicodeDecodeError as e: raise _bad(f"the body is not valid UTF-8 ({e.reason} at byte {e.start}): send JSON encoded as UTF-8") from None
+    except json.JSONDecodeError as e: raise _bad(f"the body is not valid JSON ({e}): send a JSON object") from None
+    if not isinstance(data, dict): raise _bad(f"the body is a JSON {type(data).__name__}: send a JSON object")
+    if _depth(data, limits.max_depth) > limits.max_depth: raise deep
+    if _SURROGATE_ESCAPE.search(raw):  # only escapes can make a lone surrogate: valid UTF-8 holds none
+        try: json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError: raise _bad("the body has a lone surrogate escape (\\ud800-\\udfff without its pair): send text as UTF-8, or a character beyond U+FFFF as a surrogate pair") from None
+    _check_counts(data, limits, wire)
+    return data
+
+# %% ../nbs/06_chat_server.ipynb #h1lim05
+def _at_most(items, limit:int, where:str, name:str, advice:str):
+    if isinstance(items, list) and len(items) > limit:
+        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
+
+def _check_counts(data:dict, limits:ChatLimits, wire:str):
+    "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
+    _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
+    _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
+    stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
+    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
+    _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
+    for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
+        if not isinstance(m, dict): continue  # the decoder names it
+        content, where = m.get('content'), f"messages[{i}]"
+        _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
+        if wire == 'anthropic':
+            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
+            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
+        else: _check_openai_calls(m, where, limits)
+
+def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
+    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
+    calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+    if calls is None: return
+    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
+    _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
+    for j, c in enumerate(calls):
+        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
+            raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
+        _check_arguments(c['function'].get('arguments'), f"{where}.tool_calls[{j}].function.arguments", limits)
+
+def _check_arguments(arguments, where:str, limits:ChatLimits):
+    "Arguments sent as a JSON string hold the same hazards as the body (depth, huge integers); the decoder reports bad JSON"
+    if not isinstance(arguments, str): return
+    try: deep = _depth(json.loads(arguments, parse_int=_int, parse_constant=_constant), limits.max_depth) > limits.max_depth
+    except json.JSONDecodeError: return
+    except RecursionError: deep = True
+    if deep:
+        raise _bad(f"{where} nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): send back the arguments the model produced", where)
+
+# %% ../nbs/06_chat_server.ipynb #h1lim07
+def _fits(server:ChatServer, s:Session, messages:list, *rest) -> tuple:
+    "The decoded request, refused at once when its text alone cannot fit the session's context (nothing tokenised yet)"
+    chars = sum(len(m['content'].strip()) for m in messages if m['role'] != 'assistant')  # templates may trim; assistant turns are ours
+    floor = -(-chars // server.token_chars)
+    if floor >= s.max_context: raise _bad(f"the conversation is at least {floor} tokens ({chars} characters of text) and the context holds {s.max_context}: shorten or compact the conversation", 'messages', 'context_length_exceeded')
+    return messages, *rest
