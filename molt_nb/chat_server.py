@@ -384,8 +384,8 @@ def openai_body(r:Reply, model:str, id:str, logprobs:bool=False) -> dict:
 def openai_events(r:Reply, model:str, id:str, usage:bool, logprobs:bool=False) -> list:
     "The `chat.completion.chunk` events of the reply (with a usage chunk when asked), then [DONE]"
     chunk = lambda delta, finish=None, logprobs=None: dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)])
-    out = [chunk(dict(role='assistant', content=''))]
-    if r.shown: out.append(chunk(dict(content=r.shown), logprobs=_logprobs(r) if logprobs else None))
+    out = [chunk(dict(role='assistant', content=''), logprobs=_logprobs(r) if logprobs else None)]  # all of them: the turn is whole
+    if r.shown: out.append(chunk(dict(content=r.shown)))
     out += [chunk(dict(tool_calls=[dict(index=i, **c)])) for i, c in enumerate(r.tool_calls)]
     out.append(chunk({}, r.finish))
     if usage: out.append(dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[], usage=_usage(r)))
