@@ -56,6 +56,14 @@ def _call(name, arguments, id:str, where:str) -> dict:
     if not isinstance(parsed, dict): raise _bad(f"{where}.arguments is a JSON {type(parsed).__name__}: tool arguments are a JSON object", where)
     return dict(id=id or '', type='function', function=dict(name=name, arguments=arguments))
 
+_TOOL_NAME = re.compile(r'[a-zA-Z0-9_-]{1,64}')
+
+def _tool_name(name, where:str) -> str:
+    "A declared tool's name, as OpenAI restricts it (Anthropic's rule is the same)"
+    if not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
+        raise _bad(f"{where} is {repr(name)[:80]}: a tool name is 1 to 64 letters, digits, '_' or '-'; rename the tool", where)
+    return name
+
 # %% ../nbs/06_chat_server.ipynb #b71be31e
 def _message(role:str, content:str='', tool_calls:list|None=None, tool_call_id:str|None=None) -> dict:
     "A canonical message: only the fields the template reads, so equal conversations compare equal"
@@ -84,8 +92,9 @@ def from_openai(messages:list, tools:list|None) -> tuple:
 def _openai_tools(tools:list|None) -> list|None:
     if not tools: return None
     for i, t in enumerate(tools):
-        if not (isinstance(t, dict) and t.get('type') == 'function' and isinstance(t.get('function'), dict) and isinstance(t['function'].get('name'), str)):
+        if not (isinstance(t, dict) and t.get('type') == 'function' and isinstance(t.get('function'), dict)):
             raise _bad(f"tools[{i}] is not a function tool: send {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{i}]")
+        _tool_name(t['function'].get('name'), f"tools[{i}].function.name")
     return [dict(type='function', function=t['function']) for t in tools]
 
 # %% ../nbs/06_chat_server.ipynb #e2e563e3
@@ -128,20 +137,23 @@ def from_anthropic(system, messages:list, tools:list|None) -> tuple:
         else: raise _bad(f"{where}.role is {m.get('role')!r}: Anthropic messages are 'user' or 'assistant' (the system prompt goes in 'system')", f"{where}.role")
     if not tools: return out, None
     for i, t in enumerate(tools):
-        if not (isinstance(t, dict) and isinstance(t.get('name'), str) and isinstance(t.get('input_schema'), dict)):
+        if not (isinstance(t, dict) and isinstance(t.get('input_schema'), dict)):
             raise _bad(f"tools[{i}] is not a custom tool: send {{'name': ..., 'description': ..., 'input_schema': {{...}}}} (server tools are not served here)", f"tools[{i}]")
+        _tool_name(t.get('name'), f"tools[{i}].name")
     return out, [dict(type='function', function=dict(name=t['name'], description=t.get('description', ''), parameters=t['input_schema'])) for t in tools]
 
 # %% ../nbs/06_chat_server.ipynb #8f04a645
 _TOOL_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
+
+def _not_json(name:str): raise ValueError(f"{name} is not JSON")
 
 def parse_tool_calls(text:str) -> tuple:
     "(content, [{name, arguments}]) of a turn's text; no calls unless every <tool_call> block parses"
     if '<tool_call>' not in text: return text, []
     calls = []
     for m in _TOOL_CALL.finditer(text):
-        try: obj = json.loads(m.group(1))
-        except json.JSONDecodeError: return text, []
+        try: obj = json.loads(m.group(1), parse_constant=_not_json)  # NaN would come back in the client's echo and be refused
+        except (ValueError, RecursionError): return text, []  # bad JSON, an integer past 4300 digits, nesting past the recursion limit
         if not (isinstance(obj, dict) and isinstance(obj.get('name'), str) and isinstance(obj.get('arguments', {}), dict)): return text, []
         calls.append(dict(name=obj['name'], arguments=json.dumps(obj.get('arguments', {}), ensure_ascii=False)))
     if len(calls) != text.count('<tool_call>'): return text, []  # an unclosed block
@@ -159,20 +171,32 @@ class Reply:
     prompt_tokens:int # tokens of context the turn was sampled after
     completion_tokens:int # tokens sampled
     index:int # the session's turn number
+    stop_sequence:str|None=None # the request's stop string that ended the turn (None: the end-of-turn token, or a cut)
+    tokens:list=field(default_factory=list) # the text of each sampled token
+    logprobs:list=field(default_factory=list) # the behaviour logprob of each sampled token
 
     @property
     def assistant(self) -> dict:
         "The canonical assistant message of this turn (what the template renders for it)"
         return _message('assistant', self.content, self.tool_calls)
 
-def _reply(tokenizer, gen, index:int) -> Reply:
+    @property
+    def shown(self) -> str:
+        "The content the wires return: without the stop string that ended it, as OpenAI and Anthropic do"
+        return self.content.removesuffix(self.stop_sequence) if self.stop_sequence else self.content
+
+def _reply(tokenizer, gen, index:int,
+           tools:list|None=None, # the request's tools: tool calls are parsed only when it declared some
+           stops:tuple=(), # the request's stop ids
+          ) -> Reply:
     "The `Reply` of an engine `Generation`"
     ids = gen.token_ids.tolist()
     text, sampled = tokenizer.decode(ids, skip_special_tokens=True), tokenizer.decode(ids, skip_special_tokens=False)
-    content, calls = parse_tool_calls(text) if gen.finish_reason == 'stop' else (text, [])
+    content, calls = parse_tool_calls(text) if gen.finish_reason == 'stop' and tools else (text, [])
     calls = [dict(id=f"call_{index}_{i}", type='function', function=c) for i, c in enumerate(calls)]
     finish = 'length' if gen.finish_reason == 'length' else 'tool_calls' if calls else 'stop'
-    return Reply(text, sampled, content, calls, finish, gen.prompt_len, len(ids), index)
+    stop = tokenizer.decode(ids[-1:]) if gen.finish_reason == 'stop' and ids and ids[-1] in stops else None
+    return Reply(text, sampled, content, calls, finish, gen.prompt_len, len(ids), index, stop, tokenizer.batch_decode([[i] for i in ids]), gen.logprobs.tolist())
 
 # %% ../nbs/06_chat_server.ipynb #176398c6
 @dataclass(eq=False)
@@ -188,6 +212,7 @@ class Session:
     tools:list|None=None # the last request's canonical tools
     reply:Reply|None=None # the last turn
     key:str|None=None # the last request, for retries
+    idempotency_key:str|None=None # the last request's Idempotency-Key header
     turns:int=0 # turns sampled
     aborted:bool=False # the engine aborted a turn (the rollout must restart)
     lock:asyncio.Lock=field(default_factory=asyncio.Lock) # one turn at a time
@@ -210,16 +235,34 @@ def _context(s:Session, tokenizer, messages:list, tools) -> tuple:
         if glue is not None: return s.sealed, s.segment.extend(encode(tokenizer, glue))
     return s.segments, Segment.prompt(encode(tokenizer, render(tokenizer, messages, True, tools)))
 
+def _is_retry(s:Session, key:str, headers) -> bool:
+    "The request repeats the last one and the client says it is a retry (no header at all: a repeat is a retry)"
+    if key != s.key: return False
+    headers = headers or {}
+    if headers.get('idempotency-key') is not None: return headers['idempotency-key'] == s.idempotency_key
+    return headers.get('x-stainless-retry-count', '1') != '0'  # the OpenAI and Anthropic SDKs send 0 on a first attempt
+
+def _prepare(s:Session, tokenizer, messages:list, tools, max_tokens, stop_token_ids, headers) -> tuple:
+    "(request key, None for a retry or the context to sample after); runs in a worker thread"
+    key = json.dumps([messages, tools, max_tokens, list(stop_token_ids)], sort_keys=True)
+    return key, None if _is_retry(s, key, headers) else _context(s, tokenizer, messages, tools)
+
 # %% ../nbs/06_chat_server.ipynb #04521f8f
 async def chat_turn(s:Session, tokenizer, messages:list, tools:list|None,
                     max_tokens:int|None=None, # the request's cap (clamped to the rollout's cap and the room left)
                     stop_token_ids:tuple=(), # extra ids that end the turn
+                    headers=None, # the request's headers: `Idempotency-Key` and `x-stainless-retry-count` tell retries
+                    temperature:float|None=None, top_p:float|None=None, # the request's, if it set them
                    ) -> Reply:
-    "Sample the model's reply to a canonical request and record it in the session"
+    "Sample the model's reply to a canonical request and record it in the session (the caller holds `s.lock`)"
     if not messages: raise _bad("messages is empty: send at least one message", 'messages')
-    key = json.dumps([messages, tools, max_tokens, list(stop_token_ids)], sort_keys=True)
-    if key == s.key: return s.reply  # a retry: the same reply, nothing recorded
-    sealed, seg = _context(s, tokenizer, messages, tools)
+    for name, asked in (('temperature', temperature), ('top_p', top_p)):
+        if asked is not None and asked != getattr(s.sampling, name):
+            raise _bad(f"{name} is {asked}: the rollout samples at {name}={getattr(s.sampling, name)} (the trainer scores tokens at it); omit {name}", name)
+    # rendering and tokenising a long conversation takes a while: off the event loop, so other sessions go on
+    key, context = await asyncio.to_thread(_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
+    if context is None: return s.reply  # a retry: the same reply, nothing recorded
+    sealed, seg = context
     room = s.max_context - len(seg)
     if room < 1: raise _bad(f"the conversation is {len(seg)} tokens and the context holds {s.max_context}: shorten or compact the conversation", 'messages', 'context_length_exceeded')
     cap = min(max_tokens or s.sampling.max_tokens, s.sampling.max_tokens, room)
@@ -228,8 +271,9 @@ async def chat_turn(s:Session, tokenizer, messages:list, tools:list|None,
     if gen.finish_reason == 'abort':
         s.aborted = True
         raise ChatError(503, 'overloaded_error', 'the engine aborted this turn (a weight update dropped requests in flight): the rollout restarts')
-    reply = _reply(tokenizer, gen, s.turns)
+    reply = _reply(tokenizer, gen, s.turns, tools, tuple(set(stop_token_ids) - set(s.sampling.stop_token_ids)))
     s.sealed, s.segment, s.messages, s.tools, s.reply, s.key, s.turns = sealed, absorb(seg, gen), messages, tools, reply, key, s.turns + 1
+    s.idempotency_key = (headers or {}).get('idempotency-key')
     return reply
 
 # %% ../nbs/06_chat_server.ipynb #7cb5c59f
@@ -239,12 +283,16 @@ class OpenAIRequest(BaseModel):
     model:str
     messages:list
     tools:list|None=None
+    tool_choice:str|dict|None=None
     stream:bool=False
     stream_options:dict|None=None
     max_tokens:int|None=None
     max_completion_tokens:int|None=None
     stop:str|list|None=None
     n:int|None=None
+    logprobs:bool|None=None
+    temperature:float|None=None
+    top_p:float|None=None
 
 class AnthropicRequest(BaseModel):
     "The fields of an Anthropic messages request the server reads"
@@ -254,13 +302,17 @@ class AnthropicRequest(BaseModel):
     max_tokens:int
     system:str|list|None=None
     tools:list|None=None
+    tool_choice:dict|None=None
     stream:bool=False
     stop_sequences:list|None=None
+    temperature:float|None=None
+    top_p:float|None=None
 
 # %% ../nbs/06_chat_server.ipynb #ef183816
-def _stop_ids(tokenizer, stop, param:str) -> tuple:
+def _stop_ids(tokenizer, stop, param:str, most:int) -> tuple:
     "Token ids of stop strings that are single tokens; anything else is refused"
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > most: raise _bad(f"{param} has {len(stops)} strings: at most {most} are allowed; drop some", param)
     out = []
     for s in stops:
         ids = encode(tokenizer, s) if isinstance(s, str) else []
@@ -268,54 +320,98 @@ def _stop_ids(tokenizer, stop, param:str) -> tuple:
         out += ids
     return tuple(out)
 
+_DECODING = "this server samples the rollout's own distribution (the trainer scores its tokens)"
+_OPENAI_UNSERVED = dict(  # field: (the values served, why no other is)
+    seed=((None,), "the engine owns the random stream of the rollout"), logit_bias=((None, {}), _DECODING),
+    frequency_penalty=((None, 0), _DECODING), presence_penalty=((None, 0), _DECODING),
+    top_logprobs=((None, 0), "the engine keeps the logprob of the sampled token only (send logprobs=true alone)"),
+    parallel_tool_calls=((None, True), "the model may call several tools in one turn"),
+    response_format=((None, {'type': 'text'}), "structured output needs constrained decoding (ask for JSON in the prompt)"),
+    modalities=((None, ['text']), "the model writes text only"), audio=((None,), "the model writes text only"),
+    prediction=((None,), "predicted outputs are not served"), web_search_options=((None,), "web search is not served"),
+    reasoning_effort=((None,), "the chat template decides the reasoning"), functions=((None,), "send tools instead"),
+    function_call=((None,), "send tool_choice instead"))
+_ANTHROPIC_UNSERVED = dict(top_k=((None,), _DECODING), thinking=((None, {'type': 'disabled'}), "the chat template decides the reasoning"),
+                           mcp_servers=((None, []), "MCP servers are not served"), container=((None,), "containers are not served"))
+
+def _unserved(req:BaseModel, table:dict):
+    "A 400 naming the first field set to a value the server cannot honour"
+    for name, (served, why) in table.items():
+        value = getattr(req, name, None)
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in served):
+            raise _bad(f"{name}={json.dumps(value)[:80]} is not served: {why}; omit {name}", name)
+
+def _tool_choice(choice, tools:list|None, name:str|None, param:str='tool_choice') -> list|None:
+    "The tools to render for a tool choice: all of them ('auto'), none ('none'); forcing a call is refused"
+    if choice == 'auto': return tools
+    if choice == 'none': return None  # rendered without tools: the model is offered none to call
+    known = [t['function']['name'] for t in tools or []]
+    if name is not None and name not in known: raise _bad(f"{param} names the tool {name!r}, which is not among the request's tools {known}: name a declared tool", param)
+    raise _bad(f"{param}={json.dumps(choice)[:80]} is not served: forcing a tool call needs constrained decoding; send 'auto' or 'none' and ask for the tool in the prompt", param)
+
 def _openai_call(req:OpenAIRequest, tokenizer) -> tuple:
     "(messages, tools, max_tokens, stop ids) of an OpenAI request"
-    if req.n not in (None, 1): raise _bad(f"n is {req.n}: this server samples one choice per request (send n=1 and several requests)", 'n')
+    if req.n not in (None, 1): raise _bad(f"n is {req.n}: this server samples one choice per request; send n=1 and several requests (each its own sample: see the notes on retries)", 'n')
+    _unserved(req, _OPENAI_UNSERVED)
     messages, tools = from_openai(req.messages, req.tools)
+    choice, name = req.tool_choice, None
+    if isinstance(choice, dict): choice, name = 'named', (choice.get('function') or {}).get('name')
+    if choice is not None: tools = _tool_choice(choice, tools, name)
     mt = req.max_completion_tokens or req.max_tokens
     if mt is not None and mt < 1: raise _bad(f"max_tokens is {mt}: ask for at least one token", 'max_tokens')
-    return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop')
+    return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', 4)
 
 def _anthropic_call(req:AnthropicRequest, tokenizer) -> tuple:
     if req.max_tokens < 1: raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
+    _unserved(req, _ANTHROPIC_UNSERVED)
     messages, tools = from_anthropic(req.system, req.messages, req.tools)
-    return messages, tools, req.max_tokens, _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences')
+    if req.tool_choice is not None:
+        if req.tool_choice.get('disable_parallel_tool_use'): raise _bad("tool_choice.disable_parallel_tool_use is not served: the model may call several tools in one turn; omit it", 'tool_choice')
+        tools = _tool_choice(req.tool_choice.get('type'), tools, req.tool_choice.get('name') if req.tool_choice.get('type') == 'tool' else None)
+    return messages, tools, req.max_tokens, _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences', 8)
 
 # %% ../nbs/06_chat_server.ipynb #8e7a2e6b
 def _usage(r:Reply) -> dict: return dict(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens, total_tokens=r.prompt_tokens + r.completion_tokens)
 
-def openai_body(r:Reply, model:str, id:str) -> dict:
+def _logprobs(r:Reply) -> dict:
+    "OpenAI's `logprobs` of the reply: each sampled token with its behaviour logprob (no alternatives)"
+    return dict(content=[dict(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[]) for t, lp in zip(r.tokens, r.logprobs)], refusal=None)
+
+def openai_body(r:Reply, model:str, id:str, logprobs:bool=False) -> dict:
     "A `chat.completion` for the reply"
-    msg = dict(role='assistant', content=r.content if r.content or not r.tool_calls else None)
+    msg = dict(role='assistant', content=r.shown if r.shown or not r.tool_calls else None)
     if r.tool_calls: msg['tool_calls'] = r.tool_calls
     return dict(id=id, object='chat.completion', created=int(time.time()), model=model,
-                choices=[dict(index=0, message=msg, finish_reason=r.finish, logprobs=None)], usage=_usage(r))
+                choices=[dict(index=0, message=msg, finish_reason=r.finish, logprobs=_logprobs(r) if logprobs else None)], usage=_usage(r))
 
-def openai_events(r:Reply, model:str, id:str, usage:bool) -> list:
+def openai_events(r:Reply, model:str, id:str, usage:bool, logprobs:bool=False) -> list:
     "The `chat.completion.chunk` events of the reply (with a usage chunk when asked), then [DONE]"
-    chunk = lambda delta, finish=None: dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=None)])
-    out = [chunk(dict(role='assistant', content=''))]
-    if r.content: out.append(chunk(dict(content=r.content)))
+    chunk = lambda delta, finish=None, logprobs=None: dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)])
+    out = [chunk(dict(role='assistant', content=''), logprobs=_logprobs(r) if logprobs else None)]  # all of them: the turn is whole
+    if r.shown: out.append(chunk(dict(content=r.shown)))
     out += [chunk(dict(tool_calls=[dict(index=i, **c)])) for i, c in enumerate(r.tool_calls)]
     out.append(chunk({}, r.finish))
     if usage: out.append(dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[], usage=_usage(r)))
     return [f"data: {json.dumps(c)}\n\n" for c in out] + ["data: [DONE]\n\n"]
 
 # %% ../nbs/06_chat_server.ipynb #9619113a
-_STOP_REASON = dict(stop='end_turn', tool_calls='tool_use', length='max_tokens')
+def _stop_reason(r:Reply) -> str:
+    if r.finish == 'stop' and r.stop_sequence is not None: return 'stop_sequence'
+    return dict(stop='end_turn', tool_calls='tool_use', length='max_tokens')[r.finish]
 
 def _blocks(r:Reply) -> list:
-    text = [dict(type='text', text=r.content)] if r.content or not r.tool_calls else []
+    text = [dict(type='text', text=r.shown)] if r.shown or not r.tool_calls else []
     return text + [dict(type='tool_use', id=c['id'].replace('call_', 'toolu_', 1), name=c['function']['name'], input=json.loads(c['function']['arguments'])) for c in r.tool_calls]
 
 def anthropic_body(r:Reply, model:str, id:str) -> dict:
     "A `message` for the reply"
-    return dict(id=id, type='message', role='assistant', model=model, content=_blocks(r), stop_reason=_STOP_REASON[r.finish],
-                stop_sequence=None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens))
+    return dict(id=id, type='message', role='assistant', model=model, content=_blocks(r), stop_reason=_stop_reason(r),
+                stop_sequence=r.stop_sequence if r.finish == 'stop' else None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens))
 
 def anthropic_events(r:Reply, model:str, id:str) -> list:
     "The message stream events of the reply"
-    start = anthropic_body(r, model, id) | dict(content=[], stop_reason=None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=0))
+    body = anthropic_body(r, model, id)
+    start = body | dict(content=[], stop_reason=None, stop_sequence=None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=0))
     out = [('message_start', dict(type='message_start', message=start))]
     for i, b in enumerate(_blocks(r)):
         if b['type'] == 'text': first, delta = dict(type='text', text=''), dict(type='text_delta', text=b['text'])
@@ -323,7 +419,7 @@ def anthropic_events(r:Reply, model:str, id:str) -> list:
         out += [('content_block_start', dict(type='content_block_start', index=i, content_block=first)),
                 ('content_block_delta', dict(type='content_block_delta', index=i, delta=delta)),
                 ('content_block_stop', dict(type='content_block_stop', index=i))]
-    out += [('message_delta', dict(type='message_delta', delta=dict(stop_reason=_STOP_REASON[r.finish], stop_sequence=None),
+    out += [('message_delta', dict(type='message_delta', delta=dict(stop_reason=body['stop_reason'], stop_sequence=body['stop_sequence']),
                                    usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens))),
             ('message_stop', dict(type='message_stop'))]
     return [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in out]
@@ -459,14 +555,15 @@ async def _chat(server:ChatServer, request:Request, session_id:str, wire:str):
     if s is None: raise ChatError(404, 'not_found_error', f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext", code='session_not_found')
     decode = lambda: _fits(server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer))
     messages, tools, max_tokens, stops = await asyncio.to_thread(decode) if size > _INLINE_BYTES else decode()
-    async with s.lock: r = await chat_turn(s, server.tokenizer, messages, tools, max_tokens, stops)
+    async with s.lock: r = await chat_turn(s, server.tokenizer, messages, tools, max_tokens, stops, headers=request.headers,
+                                           temperature=req.temperature, top_p=req.top_p)
     if wire == 'anthropic':
         rid = f"msg_{s.id}_{r.index}"
         if req.stream: return StreamingResponse(_stream(anthropic_events(r, req.model, rid)), media_type='text/event-stream')
         return JSONResponse(anthropic_body(r, req.model, rid))
     rid = f"chatcmpl-{s.id}-{r.index}"
-    if req.stream: return StreamingResponse(_stream(openai_events(r, req.model, rid, bool((req.stream_options or {}).get('include_usage')))), media_type='text/event-stream')
-    return JSONResponse(openai_body(r, req.model, rid))
+    if req.stream: return StreamingResponse(_stream(openai_events(r, req.model, rid, bool((req.stream_options or {}).get('include_usage')), bool(req.logprobs))), media_type='text/event-stream')
+    return JSONResponse(openai_body(r, req.model, rid, bool(req.logprobs)))
 
 # %% ../nbs/06_chat_server.ipynb #336a4cfb
 def _app(server:ChatServer) -> FastAPI:
