@@ -17,6 +17,8 @@ _BOOT = r'''
 import resource, sys
 import os
 for name, value in LIMITS.items(): resource.setrlimit(getattr(resource, name), (value, value))
+with open('/proc/self/oom_score_adj', 'w') as f: f.write('1000')  # under memory pressure the kernel kills this first, not the runner
+os.nice(19)  # and the runner's engine keeps the CPU it needs
 if UID is not None: os.setgroups([]); os.setgid(UID); os.setuid(UID)  # under a root runner: a uid of its own, no capabilities
 import builtins  # no `site` (it costs 30 ms a call): exit() and quit() still work, `binds` are site directories
 builtins.exit = builtins.quit = sys.exit
@@ -63,24 +65,46 @@ def _view(binds:tuple) -> list:
         args += [x for a in parents for x in ('--perms', '0755', '--dir', a)] + ['--ro-bind', p, p]  # e.g. /root, which is 0700
     return args
 
-def _no_userns() -> bytes:
-    """A seccomp program (classic BPF) refusing new user namespaces: unshare/clone with CLONE_NEWUSER get EPERM, clone3 gets
-    ENOSYS (libc then falls back to clone), other ABIs (i386, x32) get EPERM; everything else is allowed"""
-    arch, clone, unshare, clone3 = {'x86_64': (0xC000003E, 56, 272, 435), 'aarch64': (0xC00000B7, 220, 97, 435)}[platform.machine()]
-    LD, JEQ, JGE, JSET, RET, ALLOW, EPERM, ENOSYS = 0x20, 0x15, 0x35, 0x45, 0x06, 0x7FFF0000, 0x50001, 0x50026
-    op = lambda code, k, jt=0, jf=0: struct.pack('HBBI', code, jt, jf, k)
-    return b''.join([op(LD, 4), op(JEQ, arch, 1, 0), op(RET, EPERM), op(LD, 0), op(JGE, 0x40000000, 0, 1), op(RET, EPERM),
-                     op(JEQ, clone3, 0, 1), op(RET, ENOSYS), op(JEQ, clone, 1, 0), op(JEQ, unshare, 0, 3),
-                     op(LD, 16), op(JSET, 0x10000000, 0, 1), op(RET, EPERM), op(RET, ALLOW)])
+_ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socketpair, and those refused outright
+    'x86_64': (0xC000003E, 56, 272, 41, 53, dict(clone3=435, io_uring=(425, 426, 427), keys=(248, 249, 250), userfaultfd=323)),
+    'aarch64': (0xC00000B7, 220, 97, 198, 199, dict(clone3=435, io_uring=(425, 426, 427), keys=(217, 218, 219), userfaultfd=282))}
+
+def _filter() -> bytes:
+    """A seccomp program (classic BPF) closing what the namespaces leave open: new user namespaces (unshare/clone with
+    CLONE_NEWUSER: EPERM), socket families other than Unix, IP and netlink (AF_VSOCK reaches a VM's host from any network
+    namespace: EAFNOSUPPORT), and clone3 (libc falls back to clone), io_uring (its socket operations skip seccomp), kernel
+    keyrings (never freed with the sandbox) and userfaultfd (ENOSYS); other ABIs (i386, x32) get EPERM"""
+    arch, clone, unshare, socket, socketpair, refused = _ABI[platform.machine()]
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    returns = dict(allow=0x7FFF0000, eperm=0x50000 | 1, enosys=0x50000 | 38, eafnosupport=0x50000 | 97)
+    prog = [(LD, 4), (JEQ, arch, 0, 'eperm'), (LD, 0), (JGE, 0x40000000, 'eperm', 0),
+            *[(JEQ, nr, 'enosys', 0) for v in refused.values() for nr in (v if isinstance(v, tuple) else (v,))],
+            (JEQ, clone, 'flags', 0), (JEQ, unshare, 'flags', 0), (JEQ, socket, 'family', 0), (JEQ, socketpair, 'pair', 0), (RET, returns['allow']),
+            'flags', (LD, 16), (JSET, 0x10000000, 'eperm', 'allow'),  # CLONE_NEWUSER in the first argument
+            'family', (LD, 16), *[(JEQ, f, 'allow', 0) for f in (1, 2, 10)], (JEQ, 16, 'allow', 'eafnosupport'),  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+            'pair', (LD, 16), (JEQ, 1, 'allow', 'eafnosupport'),
+            *[x for name, k in returns.items() for x in (name, (RET, k))]]
+    where, n = {}, 0
+    for x in prog:
+        if isinstance(x, str): where[x] = n
+        else: n += 1
+    out, i = [], 0
+    for x in prog:
+        if isinstance(x, str): continue
+        code, k, jt, jf = (*x, 0, 0)[:4]
+        out.append(struct.pack('HBBI', code, *(where[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf)), k))
+        i += 1
+    return b''.join(out)
 
 def _seccomp_fd() -> int:
-    "A file descriptor holding `_no_userns` for bwrap's --seccomp (the caller closes it)"
+    "A file descriptor holding `_filter` for bwrap's --seccomp (the caller closes it)"
     fd = os.memfd_create('molt-seccomp')
-    os.write(fd, _no_userns()); os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, _filter()); os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
-    """bwrap's options: new PID, mount, network, IPC and UTS namespaces, no new user namespaces, an empty environment.
+    """bwrap's options: new PID, mount, network, IPC and UTS namespaces, no new user namespaces, an empty environment,
+    writable only /tmp and a 1 MiB /dev/shm (in a user namespace / and /dev would be the code's own, unbounded tmpfs).
     Run by an ordinary user, bwrap also makes a user namespace in which the code is uid 65534 without capabilities. Run
     by root, that would leave the code's processes root outside (exempt from RLIMIT_NPROC): bwrap keeps only the
     capability to change uid, and the code's first act is to drop to a uid of its own (see `_BOOT`)."""
@@ -88,7 +112,8 @@ def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
             ['--unshare-user', '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534'])
     return ['--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try', *user, '--seccomp', str(seccomp_fd),
             '--die-with-parent', '--new-session', *_view(binds), '--proc', '/proc', '--dev', '/dev', '--perms', '1777', '--size', str(scratch_mb * 2**20),
-            '--tmpfs', '/tmp', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
+            '--tmpfs', '/tmp', '--perms', '1777', '--size', str(2**20), '--tmpfs', '/dev/shm',
+            '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
 
 @cache
 def _bwrap(exe:str|None=None) -> str:
@@ -159,40 +184,44 @@ class _Output:
         if self.bytes > self.stop: return text + f"\n... (the output passed {self.stop} bytes: the program was stopped)"
         return text + (f"\n... ({self.chars - self.keep} more characters cut)" if self.chars > self.keep else '')
 
-async def _init(pipe, parent:int) -> int|None:
-    "A pidfd of the sandbox's init: bwrap writes its host pid on `--json-status-fd`; checked to be `parent`'s child"
+async def _init(pipe, parent:int) -> tuple:
+    """(a pidfd of the sandbox's init or None, the status pipe's transport): bwrap writes the init's host pid on
+    `--json-status-fd` (checked to be `parent`'s child); the pipe stays open until the run ends (bwrap writes its exit there)"""
     reader = asyncio.StreamReader()
     transport, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     try: pid = json.loads(await reader.readline())['child-pid']
-    except (ValueError, KeyError): return None
-    finally: transport.close()
+    except (ValueError, KeyError): return None, transport
+    try: pidfd = os.pidfd_open(pid)
+    except OSError: return None, transport  # already gone
     try:
-        pidfd = os.pidfd_open(pid)
         with open(f"/proc/{pid}/stat") as f: ppid = int(f.read().rsplit(')', 1)[1].split()[1])
-    except OSError: return None  # already gone
-    if ppid == parent: return pidfd
+    except (OSError, ValueError, IndexError): ppid = None
+    if ppid == parent: return pidfd, transport
     os.close(pidfd)  # gone, and its pid reused
+    return None, transport
 
-async def _end(proc, init, grace:float):
-    """Wait `grace` s for the run to end, then kill it: under bwrap, the sandbox's init, whose death makes the kernel kill
-    every process of its PID namespace before bwrap can exit; unsafe, the process group. Then wait until it is gone."""
-    try: await asyncio.wait_for(proc.wait(), grace)
-    except asyncio.TimeoutError:
-        pidfd = init.result() if init is not None and init.done() and not init.cancelled() and init.exception() is None else None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if pidfd is not None: signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else: os.killpg(proc.pid, signal.SIGKILL)
-        try: await asyncio.wait_for(proc.wait(), 5)
+async def _drain(stream):
+    while await stream.read(2**16): pass
+
+async def _end(proc, leader:int, init, grace:float):
+    """Wait `grace` s for the run to end, then kill it (by pidfd, never by a number that may have been reused): under
+    bwrap, the sandbox's init, whose death makes the kernel kill every process of its PID namespace before bwrap exits
+    (or bwrap itself, whose death kills the init); unsafe, the process group while its leader lives. Then wait until it
+    is all gone, reading and dropping what is left of the output (a pipe not read to its end never reports the exit)."""
+    status = init.result() if init is not None and init.done() and not init.cancelled() and init.exception() is None else (None, None)
+    if init is not None and not init.done(): init.cancel()
+    try:
+        try: await asyncio.wait_for(proc.wait(), grace)
         except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError): os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if init is None and proc.returncode is None: os.killpg(proc.pid, signal.SIGKILL)
+                signal.pidfd_send_signal(status[0] if status[0] is not None else leader, signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(_drain(proc.stdout), proc.wait()), 10)
     finally:
-        if init is not None:
-            if not init.done(): init.cancel()
-            elif not init.cancelled() and init.exception() is None and init.result() is not None: os.close(init.result())
+        for fd in (status[0], leader):
+            if fd is not None: os.close(fd)
+        if status[1] is not None: status[1].close()
         with contextlib.suppress(AttributeError): proc._transport.close()  # the pipes now, not at garbage collection
-    if init is None:  # unsafe: children that left the session's process group are beyond reach
-        with contextlib.suppress(ProcessLookupError, PermissionError): os.killpg(proc.pid, signal.SIGKILL)
 
 # %% ../nbs/06_tools.ipynb #80dd6252
 @patch
@@ -201,14 +230,15 @@ async def run(self:Sandbox, code:str) -> str:
     _undumpable()
     data = code.encode(errors='replace')
     if len(data) > 2**20: return f"error: the code is {len(data)} bytes; the sandbox takes at most 1 MiB"
+    if not self.unsafe: await asyncio.to_thread(_bwrap, self.bwrap)  # checked once per process, off the event loop
     r, w = (None, None) if self.unsafe else os.pipe()
     seccomp = None if self.unsafe else _seccomp_fd()
     try:
-        cmd = self.command(w, seccomp)
         with tempfile.TemporaryDirectory(prefix='molt-tool-') as cwd:  # the unsafe run's working directory
-            proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                        cwd=cwd, env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'}, start_new_session=True,
-                                                        pass_fds=() if self.unsafe else (w, seccomp))
+            proc = await asyncio.create_subprocess_exec(*self.command(w, seccomp), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                        stderr=subprocess.STDOUT, cwd=cwd, env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'},
+                                                        start_new_session=True, pass_fds=() if self.unsafe else (w, seccomp))
+            leader = os.pidfd_open(proc.pid)  # not reaped yet: this is our child
             if w is not None: os.close(w); w = None
             init = None if r is None else asyncio.ensure_future(_init(os.fdopen(r, 'rb', 0), proc.pid))
             r, out, late, ended = None, _Output(self.max_output, max(2**20, 8 * self.max_output)), '', False
@@ -220,7 +250,7 @@ async def run(self:Sandbox, code:str) -> str:
                 await asyncio.wait_for(feed_and_read(), self.timeout_s)
                 ended = out.bytes <= out.stop  # the output's end: the program is exiting
             except asyncio.TimeoutError: late = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
-            finally: await _end(proc, init, 2 if ended else 0)
+            finally: await _end(proc, leader, init, 2 if ended else 0)
     finally:
         for fd in (r, w, seccomp):
             if fd is not None: os.close(fd)
