@@ -8,7 +8,7 @@ __all__ = ['ChatError', 'openai_error', 'anthropic_error', 'from_openai', 'from_
            'anthropic_body', 'anthropic_events', 'ChatLimits', 'ChatServer']
 
 # %% ../nbs/06_chat_server.ipynb #73064b1d
-import asyncio, contextlib, gc, json, logging, re, secrets, sys, time, uuid
+import asyncio, concurrent.futures, contextlib, functools, gc, json, math, logging, re, secrets, sys, time, uuid
 from dataclasses import dataclass, field
 from typing import Any
 from fastcore.basics import patch
@@ -30,6 +30,13 @@ class ChatError(Exception):
 
 def openai_error(e:ChatError) -> dict: return dict(error=dict(message=e.message, type=e.kind, param=e.param, code=e.code))
 def anthropic_error(e:ChatError) -> dict: return dict(type='error', error=dict(type=e.kind, message=e.message))
+
+_WORK = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix='molt-chat')
+
+async def _off_loop(fn, *args):
+    """`fn(*args)` on the server's small worker pool: parsing and tokenising big requests leave the event loop free, and a
+    few workers (not Python's default of up to 32) keep the loop's share of the GIL when many arrive at once"""
+    return await asyncio.get_running_loop().run_in_executor(_WORK, functools.partial(fn, *args))
 
 def _bad(message:str, param:str|None=None, code:str|None=None) -> ChatError: return ChatError(400, 'invalid_request_error', message, param, code)
 
@@ -143,7 +150,16 @@ def from_anthropic(system, messages:list, tools:list|None) -> tuple:
     return out, [dict(type='function', function=dict(name=t['name'], description=t.get('description', ''), parameters=t['input_schema'])) for t in tools]
 
 # %% ../nbs/06_chat_server.ipynb #8f04a645
+_CALL_DEPTH = 56  # ChatLimits.max_depth less the levels of a message around a tool call's arguments
 _TOOL_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
+
+def _depth(data, limit:int) -> int:
+    "How deep a parsed JSON value nests (counted up to `limit + 1`), walked level by level without recursion"
+    depth, level = 0, [data]
+    while level and depth <= limit:
+        depth += 1
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
+    return depth
 
 def _not_json(name:str): raise ValueError(f"{name} is not JSON")
 
@@ -154,6 +170,7 @@ def parse_tool_calls(text:str) -> tuple:
     for m in _TOOL_CALL.finditer(text):
         try: obj = json.loads(m.group(1), parse_constant=_not_json)  # NaN would come back in the client's echo and be refused
         except (ValueError, RecursionError): return text, []  # bad JSON, an integer past 4300 digits, nesting past the recursion limit
+        if _depth(obj, _CALL_DEPTH) > _CALL_DEPTH: return text, []  # the client's echo of it would be refused as too deep
         if not (isinstance(obj, dict) and isinstance(obj.get('name'), str) and isinstance(obj.get('arguments', {}), dict)): return text, []
         calls.append(dict(name=obj['name'], arguments=json.dumps(obj.get('arguments', {}), ensure_ascii=False)))
     if len(calls) != text.count('<tool_call>'): return text, []  # an unclosed block
@@ -256,11 +273,12 @@ async def chat_turn(s:Session, tokenizer, messages:list, tools:list|None,
                    ) -> Reply:
     "Sample the model's reply to a canonical request and record it in the session (the caller holds `s.lock`)"
     if not messages: raise _bad("messages is empty: send at least one message", 'messages')
+    if s.aborted: raise ChatError(409, 'invalid_request_error', "this rollout was aborted (a weight update dropped its turn) and restarts: stop sending turns to it", code='rollout_aborted')
     for name, asked in (('temperature', temperature), ('top_p', top_p)):
         if asked is not None and asked != getattr(s.sampling, name):
             raise _bad(f"{name} is {asked}: the rollout samples at {name}={getattr(s.sampling, name)} (the trainer scores tokens at it); omit {name}", name)
     # rendering and tokenising a long conversation takes a while: off the event loop, so other sessions go on
-    key, context = await asyncio.to_thread(_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
+    key, context = await _off_loop(_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
     if context is None: return s.reply  # a retry: the same reply, nothing recorded
     sealed, seg = context
     room = s.max_context - len(seg)
@@ -309,6 +327,8 @@ class AnthropicRequest(BaseModel):
     top_p:float|None=None
 
 # %% ../nbs/06_chat_server.ipynb #ef183816
+_MAX_STOPS = dict(openai=4, anthropic=8) # OpenAI's documented bound; Anthropic documents none, 8 is ours
+
 def _stop_ids(tokenizer, stop, param:str, most:int) -> tuple:
     "Token ids of stop strings that are single tokens; anything else is refused"
     stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -345,21 +365,27 @@ def _tool_choice(choice, tools:list|None, name:str|None, param:str='tool_choice'
     "The tools to render for a tool choice: all of them ('auto'), none ('none'); forcing a call is refused"
     if choice == 'auto': return tools
     if choice == 'none': return None  # rendered without tools: the model is offered none to call
+    if choice not in ('required', 'any', 'tool', 'named'):
+        raise _bad(f"{param} is {json.dumps(choice)[:80]}: send 'auto' or 'none' (forcing a tool is not served)", param)
     known = [t['function']['name'] for t in tools or []]
     if name is not None and name not in known: raise _bad(f"{param} names the tool {name!r}, which is not among the request's tools {known}: name a declared tool", param)
     raise _bad(f"{param}={json.dumps(choice)[:80]} is not served: forcing a tool call needs constrained decoding; send 'auto' or 'none' and ask for the tool in the prompt", param)
 
 def _openai_call(req:OpenAIRequest, tokenizer) -> tuple:
     "(messages, tools, max_tokens, stop ids) of an OpenAI request"
-    if req.n not in (None, 1): raise _bad(f"n is {req.n}: this server samples one choice per request; send n=1 and several requests (each its own sample: see the notes on retries)", 'n')
+    if req.n not in (None, 1): raise _bad(f"n is {req.n}: this server samples one choice per request; send n=1 and several requests, through an SDK (its first attempts are new samples) or each with its own Idempotency-Key", 'n')
     _unserved(req, _OPENAI_UNSERVED)
     messages, tools = from_openai(req.messages, req.tools)
     choice, name = req.tool_choice, None
-    if isinstance(choice, dict): choice, name = 'named', (choice.get('function') or {}).get('name')
+    if isinstance(choice, dict):
+        fn = choice.get('function')
+        if not (choice.get('type') == 'function' and isinstance(fn, dict) and isinstance(fn.get('name'), str)):
+            raise _bad(f"tool_choice is {json.dumps(choice)[:80]}: send 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}", 'tool_choice')
+        choice, name = 'named', fn['name']
     if choice is not None: tools = _tool_choice(choice, tools, name)
     mt = req.max_completion_tokens or req.max_tokens
     if mt is not None and mt < 1: raise _bad(f"max_tokens is {mt}: ask for at least one token", 'max_tokens')
-    return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', 4)
+    return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', _MAX_STOPS['openai'])
 
 def _anthropic_call(req:AnthropicRequest, tokenizer) -> tuple:
     if req.max_tokens < 1: raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
@@ -368,7 +394,7 @@ def _anthropic_call(req:AnthropicRequest, tokenizer) -> tuple:
     if req.tool_choice is not None:
         if req.tool_choice.get('disable_parallel_tool_use'): raise _bad("tool_choice.disable_parallel_tool_use is not served: the model may call several tools in one turn; omit it", 'tool_choice')
         tools = _tool_choice(req.tool_choice.get('type'), tools, req.tool_choice.get('name') if req.tool_choice.get('type') == 'tool' else None)
-    return messages, tools, req.max_tokens, _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences', 8)
+    return messages, tools, req.max_tokens, _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences', _MAX_STOPS['anthropic'])
 
 # %% ../nbs/06_chat_server.ipynb #8e7a2e6b
 def _usage(r:Reply) -> dict: return dict(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens, total_tokens=r.prompt_tokens + r.completion_tokens)
@@ -442,7 +468,6 @@ class ChatLimits:
     max_tools:int=128 # tools in one request (OpenAI's own limit)
     max_tool_calls:int=128 # tool calls in one assistant message (tool_use blocks on Anthropic)
     max_parts:int=1024 # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
-    max_stops:int=16 # stop strings
     max_depth:int=64 # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
     max_connections:int=1024 # uvicorn's limit_concurrency: connections and requests beyond it get a 503
 
@@ -492,6 +517,7 @@ async def stop(self:ChatServer):
     "Stop serving (the sessions stay readable)"
     if self._task is None: return
     self._server.should_exit = True
+    gc.unfreeze()  # what start froze is collectable again
     with contextlib.suppress(asyncio.CancelledError): await self._task
     self._task = None
 
@@ -511,8 +537,8 @@ def close(self:ChatServer, session_id:str) -> Session:
 def _wire(path:str) -> str: return 'anthropic' if path.rstrip('/').endswith('/messages') else 'openai'
 
 def _error_response(e:ChatError, wire:str) -> JSONResponse:
-    # SDKs retry 5xx unless told not to: only an overloaded engine (503) is worth a retry
-    headers = {'x-should-retry': 'true' if e.status == 503 else 'false'}
+    # SDKs retry 429/5xx unless told not to: nothing here is worth one (an aborted turn's rollout restarts anyway)
+    headers = {'x-should-retry': 'false'}
     return JSONResponse(anthropic_error(e) if wire == 'anthropic' else openai_error(e), status_code=e.status, headers=headers)
 
 def _check_token(server:ChatServer, request:Request):
@@ -527,7 +553,7 @@ async def _body(request:Request, model:type, limits:ChatLimits, wire:str) -> tup
     "(the validated request, its size in bytes); a body beyond the limits is refused before it is parsed"
     raw = await _read(request, limits.max_body_bytes)
     parse = lambda: _validate(model, _parse(raw, limits, wire))
-    return (await asyncio.to_thread(parse) if len(raw) > _INLINE_BYTES else parse()), len(raw)
+    return (await _off_loop(parse) if len(raw) > _INLINE_BYTES else parse()), len(raw)
 
 def _validate(model:type, data:dict):
     try: return model.model_validate(data)
@@ -554,7 +580,7 @@ async def _chat(server:ChatServer, request:Request, session_id:str, wire:str):
     s = server.sessions.get(session_id)
     if s is None: raise ChatError(404, 'not_found_error', f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext", code='session_not_found')
     decode = lambda: _fits(server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer))
-    messages, tools, max_tokens, stops = await asyncio.to_thread(decode) if size > _INLINE_BYTES else decode()
+    messages, tools, max_tokens, stops = await _off_loop(decode) if size > _INLINE_BYTES else decode()
     async with s.lock: r = await chat_turn(s, server.tokenizer, messages, tools, max_tokens, stops, headers=request.headers,
                                            temperature=req.temperature, top_p=req.top_p)
     if wire == 'anthropic':
@@ -619,24 +645,20 @@ def _too_large(size:int, limit:int, prefix:str='') -> ChatError:
 # %% ../nbs/06_chat_server.ipynb #h1lim03
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F][0-9a-fA-F]{2}')
 
-def _depth(data, limit:int) -> int:
-    "How deep a parsed JSON value nests (counted up to `limit + 1`), walked level by level without recursion"
-    depth, level = 0, [data]
-    while level and depth <= limit:
-        depth += 1
-        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
-    return depth
-
 def _int(digits:str) -> int:
     if len(digits.lstrip('-')) > sys.get_int_max_str_digits(): raise _bad(f"the body has an integer of {len(digits)} digits: send integers of at most {sys.get_int_max_str_digits()} digits")
     return int(digits)
 
 def _constant(name:str): raise _bad(f"the body has {name}, which is not JSON: send a number or null")
 
+def _float(text:str) -> float:
+    if not math.isfinite(value := float(text)): raise _bad(f"the body has the number {text[:40]}, beyond a double's range: send a smaller number")
+    return value
+
 def _parse(raw:bytes, limits:ChatLimits, wire:str) -> dict:
     "The body as a JSON object, checked against the limits"
     deep = _bad(f"the body nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): flatten the JSON (tool schemas rarely need 10 levels)")
-    try: data = json.loads(raw, parse_int=_int, parse_constant=_constant)
+    try: data = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError: raise deep from None  # the C parser stops at Python's recursion limit
     except UnicodeDecodeError as e: raise _bad(f"the body is not valid UTF-8 ({e.reason} at byte {e.start}): send JSON encoded as UTF-8") from None
     except json.JSONDecodeError as e: raise _bad(f"the body is not valid JSON ({e}): send a JSON object") from None
@@ -658,7 +680,8 @@ def _check_counts(data:dict, limits:ChatLimits, wire:str):
     _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
     _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
     stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
-    _at_most(data.get(stop), limits.max_stops, stop, 'max_stops', 'send fewer stop strings')
+    if isinstance(data.get(stop), list) and len(data[stop]) > _MAX_STOPS[wire]:
+        raise _bad(f"{stop} has {len(data[stop])} strings and this wire takes at most {_MAX_STOPS[wire]}: send fewer stop strings", stop)
     _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
     for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
         if not isinstance(m, dict): continue  # the decoder names it

@@ -326,7 +326,7 @@ def test_over_http_sdk_first_attempts_are_new_samples_and_logprobs_are_served(to
 def test_hostile_model_output_is_text_not_a_crash():
     "A turn whose <tool_call> holds JSON the server could not echo back (deep nesting, a 5000-digit integer, NaN) has no calls"
     from molt_nb.chat_server import parse_tool_calls
-    for args in ['[' * 5000 + ']' * 5000, '9' * 5000, 'NaN']:
+    for args in ['[' * 5000 + ']' * 5000, '[' * 60 + ']' * 60, '9' * 5000, 'NaN']:  # 60 deep: the echo would pass ChatLimits.max_depth
         text = '<tool_call>\n{"name": "a", "arguments": {"x": ' + args + '}}\n</tool_call>'
         assert parse_tool_calls(text) == (text, [])
     assert parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>')[1] == [dict(name='a', arguments='{"x": 1}')]
