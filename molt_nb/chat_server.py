@@ -189,8 +189,14 @@ class Reply:
     completion_tokens:int # tokens sampled
     index:int # the session's turn number
     stop_sequence:str|None=None # the request's stop string that ended the turn (None: the end-of-turn token, or a cut)
-    tokens:list=field(default_factory=list) # the text of each sampled token
+    token_ids:list=field(default_factory=list) # the sampled ids
     logprobs:list=field(default_factory=list) # the behaviour logprob of each sampled token
+    tokenizer:Any=field(default=None, repr=False, compare=False) # decodes `tokens`, only when a client asks for logprobs
+
+    @property
+    def tokens(self) -> list:
+        "The text of each sampled token"
+        return self.tokenizer.batch_decode([[i] for i in self.token_ids]) if self.tokenizer is not None else []
 
     @property
     def assistant(self) -> dict:
@@ -213,7 +219,7 @@ def _reply(tokenizer, gen, index:int,
     calls = [dict(id=f"call_{index}_{i}", type='function', function=c) for i, c in enumerate(calls)]
     finish = 'length' if gen.finish_reason == 'length' else 'tool_calls' if calls else 'stop'
     stop = tokenizer.decode(ids[-1:]) if gen.finish_reason == 'stop' and ids and ids[-1] in stops else None
-    return Reply(text, sampled, content, calls, finish, gen.prompt_len, len(ids), index, stop, tokenizer.batch_decode([[i] for i in ids]), gen.logprobs.tolist())
+    return Reply(text, sampled, content, calls, finish, gen.prompt_len, len(ids), index, stop, ids, gen.logprobs.tolist(), tokenizer)
 
 # %% ../nbs/06_chat_server.ipynb #176398c6
 @dataclass(eq=False)
