@@ -61,7 +61,7 @@ def _view(binds:tuple) -> list:
     for f in ('/etc/ld.so.cache', '/etc/localtime'): args += ['--ro-bind-try', f, f]
     for p in (_interpreter()[1], *binds):
         if p.startswith('/usr/'): continue
-        parents = [str(a) for a in reversed(Path(p).parents) if str(a) != '/']
+        parents = [str(a) for a in reversed(Path(p).parents) if str(a) not in ('/', '/tmp')]  # /tmp is already the scratch tmpfs
         args += [x for a in parents for x in ('--perms', '0755', '--dir', a)] + ['--ro-bind', p, p]  # e.g. /root, which is 0700
     return args
 
@@ -111,9 +111,9 @@ def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
     user = (['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID'] if os.geteuid() == 0 else
             ['--unshare-user', '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534'])
     return ['--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try', *user, '--seccomp', str(seccomp_fd),
-            '--die-with-parent', '--new-session', *_view(binds), '--proc', '/proc', '--dev', '/dev', '--perms', '1777', '--size', str(scratch_mb * 2**20),
+            '--die-with-parent', '--new-session', '--proc', '/proc', '--dev', '/dev', '--perms', '1777', '--size', str(scratch_mb * 2**20),
             '--tmpfs', '/tmp', '--perms', '1777', '--size', str(2**20), '--tmpfs', '/dev/shm',
-            '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
+            *_view(binds), '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
 
 @cache
 def _bwrap(exe:str|None=None) -> str:

@@ -216,8 +216,12 @@ def test_refuses_without_isolation(home):
     assert 'could not build the sandbox' in r.stdout and 'unprivileged user namespaces' in r.stdout and 'unsafe=True' in r.stdout, r.stdout + r.stderr
     assert r.stdout.endswith('unsafe=True.\n2\n\n'), r.stdout
 
-def test_binds_add_packages():
-    "The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the kernel bounds)"
+def test_binds_add_packages(tmp_path):
+    """The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the kernel
+    bounds), also from under /tmp, where the sandbox's own /tmp must not hide them (a fresh clone in /tmp failed so)"""
+    (tmp_path / 'hello_bind.py').write_text('WHO = "bound"\n')
+    tmp_path.chmod(0o755)  # pytest makes it 0700: the sandbox's user could not read it
+    assert asyncio.run(run_python('import hello_bind; print(hello_bind.WHO)', binds=(str(tmp_path),))) == 'bound\n'
     site = sysconfig.get_paths()['purelib']
     assert 'ModuleNotFoundError' in asyncio.run(run_python('import numpy'))
     assert asyncio.run(run_python('import numpy; print(numpy.arange(4).sum())', binds=(site,), memory_mb=1024)) == '6\n'
