@@ -10,6 +10,7 @@ the engine's idle fraction, and held-out accuracy at the start and the end (and 
 
     .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--append bench/RESULTS.md]
 """
+
 import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, sys, tempfile, time
 from pathlib import Path
 
@@ -31,19 +32,26 @@ def with_(cfg, **sections):
     return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
-async def single_process(cfg, seconds:float) -> dict:
+async def single_process(cfg, seconds: float) -> dict:
     "The floor: one process, one loop, no overlap, no Ray"
     torch.set_num_threads(cfg.train.threads)
     model, tok = build_policy(cfg)
-    engine = TorchEngine(copy.deepcopy(model), seed=cfg.loop.seed, threads=cfg.rollout.threads, max_batch=cfg.rollout.max_batch)
+    engine = TorchEngine(
+        copy.deepcopy(model), seed=cfg.loop.seed, threads=cfg.rollout.threads, max_batch=cfg.rollout.max_batch
+    )
     actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows)
     parts = recipe_parts(cfg, tok)  # the same runner, data order and sampling molt-nb uses
     runner, train, held, sp, r = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling, cfg.rollout
     start_acc = await evaluate(runner, engine, held, sp)
     pos, rollouts, step, busy0, t0 = 0, 0, 0, engine.stats['busy_s'], time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        trajs = await asyncio.gather(*[runner.run(engine, train[(pos + i) % len(train)], sp, f"g{pos + i}/r{j}", f"g{pos + i}", pos + i)
-                                       for i in range(r.groups_per_step) for j in range(r.n_samples)])
+        trajs = await asyncio.gather(
+            *[
+                runner.run(engine, train[(pos + i) % len(train)], sp, f"g{pos + i}/r{j}", f"g{pos + i}", pos + i)
+                for i in range(r.groups_per_step)
+                for j in range(r.n_samples)
+            ]
+        )
         pos, rollouts, step = pos + r.groups_per_step, rollouts + len(trajs), step + 1
         actor.train_step(collate(trajs))
         await engine.load_weights(from_buckets(actor.weights()), actor.version)
@@ -51,7 +59,15 @@ async def single_process(cfg, seconds:float) -> dict:
     idle = 1 - (engine.stats['busy_s'] - busy0) / wall
     accs = [await evaluate(runner, engine, held, sp)]
     engine.close()
-    return dict(steps=step, rollouts=rollouts, seconds=wall, samples_per_s=rollouts / wall, engine_idle=idle, start=start_acc, end=accs[-1])
+    return dict(
+        steps=step,
+        rollouts=rollouts,
+        seconds=wall,
+        samples_per_s=rollouts / wall,
+        engine_idle=idle,
+        start=start_acc,
+        end=accs[-1],
+    )
 
 
 def on_ray(cfg) -> dict:
@@ -60,14 +76,25 @@ def on_ray(cfg) -> dict:
     run.wait()
     m = run.store.metrics()
     steps = m[m.step > 0]
-    evals_during = m.time_eval.iloc[:-1].fillna(0).sum() if 'time_eval' in m else 0.  # the last row's eval runs after its time was taken
+    evals_during = (
+        m.time_eval.iloc[:-1].fillna(0).sum() if 'time_eval' in m else 0.0
+    )  # the last row's eval runs after its time was taken
     wall = float(m.time.max()) - float(evals_during)
     step_wall = steps.time_collect + steps.time_train + steps.time_sync
     idle = float((steps.engine_idle * step_wall).sum() / step_wall.sum())
     evals = m['eval'].dropna()
-    return dict(steps=int(steps.step.max()), rollouts=int(steps.rollouts.sum()), seconds=wall, samples_per_s=float(steps.rollouts.sum()) / wall,
-                engine_idle=idle, start=float(evals.iloc[0]), end=float(evals.iloc[-1]),
-                staleness_max=max(int(c.split('/')[1]) for c in m.columns if c.startswith('staleness/') and m[c].fillna(0).sum() > 0))
+    return dict(
+        steps=int(steps.step.max()),
+        rollouts=int(steps.rollouts.sum()),
+        seconds=wall,
+        samples_per_s=float(steps.rollouts.sum()) / wall,
+        engine_idle=idle,
+        start=float(evals.iloc[0]),
+        end=float(evals.iloc[-1]),
+        staleness_max=max(
+            int(c.split('/')[1]) for c in m.columns if c.startswith('staleness/') and m[c].fillna(0).sum() > 0
+        ),
+    )
 
 
 def main():
@@ -75,45 +102,75 @@ def main():
     p.add_argument('--seconds', type=float, default=90)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--append', default=None)
-    p.add_argument('--warm', default=None, help='reuse a warm-start checkpoint directory (skips the supervised warm start)')
+    p.add_argument(
+        '--warm', default=None, help='reuse a warm-start checkpoint directory (skips the supervised warm start)'
+    )
     args = p.parse_args()
     run_root = Path(tempfile.mkdtemp(prefix='molt-bench-'))
-    base = load_config(ROOT/'recipes'/'arith', [f'loop.seed={args.seed}', f'run_dir="{run_root/"warm"}"'])
+    base = load_config(ROOT / 'recipes' / 'arith', [f'loop.seed={args.seed}', f'run_dir="{run_root / "warm"}"'])
     t = time.perf_counter()
     if args.warm:
         path = Path(args.warm)
         model, tok = build_policy(with_(base, model=dict(path=str(path))))
         warm_acc = held_out(model, base, tok)
-    else: path, warm_acc = warm_start(base)
+    else:
+        path, warm_acc = warm_start(base)
     print(f"warm start: {time.perf_counter() - t:.0f} s, held-out accuracy {warm_acc:.3f}", flush=True)
     base = with_(base, model=dict(path=str(path)), loop=dict(seconds=args.seconds, steps=10**6, eval_every=0))
     arms = {
-        '(a) single process, no Ray': lambda: asyncio.run(single_process(with_(base, train=dict(threads=2), rollout=dict(threads=1)), args.seconds)),
-        '(b) molt-nb sync': lambda: on_ray(dataclasses.replace(with_(base, loop=dict(mode='sync'), train=dict(threads=2), rollout=dict(threads=1)), run_dir=str(run_root/'sync'))),
-        '(c) molt-nb async': lambda: on_ray(dataclasses.replace(with_(base, loop=dict(mode='async'), train=dict(threads=1), rollout=dict(threads=1)), run_dir=str(run_root/'async'))),
+        '(a) single process, no Ray': lambda: asyncio.run(
+            single_process(with_(base, train=dict(threads=2), rollout=dict(threads=1)), args.seconds)
+        ),
+        '(b) molt-nb sync': lambda: on_ray(
+            dataclasses.replace(
+                with_(base, loop=dict(mode='sync'), train=dict(threads=2), rollout=dict(threads=1)),
+                run_dir=str(run_root / 'sync'),
+            )
+        ),
+        '(c) molt-nb async': lambda: on_ray(
+            dataclasses.replace(
+                with_(base, loop=dict(mode='async'), train=dict(threads=1), rollout=dict(threads=1)),
+                run_dir=str(run_root / 'async'),
+            )
+        ),
     }
     results = {}
     for name, fn in arms.items():
         gc.collect()
         results[name] = r = fn()
-        print(f"{name}: {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}, accuracy {r['start']:.3f} -> {r['end']:.3f} in {r['seconds']:.0f} s ({r['steps']} steps)", flush=True)
+        print(
+            f"{name}: {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}, accuracy {r['start']:.3f} -> {r['end']:.3f} in {r['seconds']:.0f} s ({r['steps']} steps)",
+            flush=True,
+        )
     floor, sync, asy = (results[k]['samples_per_s'] for k in arms)
-    lines = [f"## async: the arith recipe as a single process, molt-nb sync and molt-nb async ({datetime.date.today()})", "",
-             f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: {os.cpu_count()} CPU cores "
-             f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; held-out accuracy "
-             f"{warm_acc:.3f}), then each arm runs GRPO (16 prompts x 8 samples per step, lr 1e-4) for {args.seconds:g} s of wall time. "
-             "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of that time the "
-             "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, engine 1.", "",
-             "| arm | steps | rollouts/s | engine idle | held-out accuracy start -> end | gain per minute |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## async: the arith recipe as a single process, molt-nb sync and molt-nb async ({datetime.date.today()})",
+        "",
+        f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: {os.cpu_count()} CPU cores "
+        f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; held-out accuracy "
+        f"{warm_acc:.3f}), then each arm runs GRPO (16 prompts x 8 samples per step, lr 1e-4) for {args.seconds:g} s of wall time. "
+        "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of that time the "
+        "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, engine 1.",
+        "",
+        "| arm | steps | rollouts/s | engine idle | held-out accuracy start -> end | gain per minute |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {r['start']:.3f} -> {r['end']:.3f} | "
-                     f"{(r['end'] - r['start']) / (r['seconds'] / 60):+.3f} |")
-    lines += ["", f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** (goal >= 0.8x); "
-              f"async engine idle **{results['(c) molt-nb async']['engine_idle']:.0%}** (goal < 10%); async max staleness "
-              f"{results['(c) molt-nb async']['staleness_max']}.", ""]
+        lines.append(
+            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {r['start']:.3f} -> {r['end']:.3f} | "
+            f"{(r['end'] - r['start']) / (r['seconds'] / 60):+.3f} |"
+        )
+    lines += [
+        "",
+        f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** (goal >= 0.8x); "
+        f"async engine idle **{results['(c) molt-nb async']['engine_idle']:.0%}** (goal < 10%); async max staleness "
+        f"{results['(c) molt-nb async']['staleness_max']}.",
+        "",
+    ]
     print("\n".join(lines))
     if args.append:
-        with open(args.append, 'a') as f: f.write("\n" + "\n".join(lines))
+        with open(args.append, 'a') as f:
+            f.write("\n" + "\n".join(lines))
 
 
 if __name__ == '__main__':

@@ -14,6 +14,7 @@ browser's own drawing; in a notebook both add to the dashboard's cost on the mac
 
     .venv/bin/python bench/controller.py [--window 3] [--pairs 40] [--refresh 1.0] [--append bench/RESULTS.md]
 """
+
 import argparse, datetime, os, platform, random, resource, statistics, tempfile, time
 from pathlib import Path
 from molt_nb.config import load_config
@@ -22,59 +23,96 @@ from molt_nb.widgets import Dashboard
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def rate(m, first:int, last:int) -> float:
+
+def rate(m, first: int, last: int) -> float:
     "Rollouts trained per second over steps first+1..last (the metrics' clock)"
     w = m[(m.step > first) & (m.step <= last)]
     t = m.set_index('step').time
     return float(w.rollouts.sum() / (t[last] - t[first]))
+
 
 def cpu() -> float:
     "CPU seconds this process (the kernel's stand-in: the dashboard's polls, Ray client calls) has used"
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--recipe', default=str(ROOT/'recipes'/'parity'))
+    ap.add_argument('--recipe', default=str(ROOT / 'recipes' / 'parity'))
     ap.add_argument('--window', type=float, default=3.0)
     ap.add_argument('--pairs', type=int, default=40)
     ap.add_argument('--refresh', type=float, default=1.0)
     ap.add_argument('--append')
     a = ap.parse_args()
     connect(temp_dir=tempfile.mkdtemp(prefix='molt-bench-'))
-    cfg = load_config(a.recipe, ['loop.steps=1000000', 'loop.eval_tasks=8', 'algo.loss.is_correction.level="token"', f'run_dir="{tempfile.mkdtemp()}"'])
+    cfg = load_config(
+        a.recipe,
+        [
+            'loop.steps=1000000',
+            'loop.eval_tasks=8',
+            'algo.loss.is_correction.level="token"',
+            f'run_dir="{tempfile.mkdtemp()}"',
+        ],
+    )
     run = launch(cfg, name='bench-dashboard')
     try:
-        while run.status()['step'] < 20: time.sleep(0.5)   # warm-up: start-up and the first steps are not measured
+        while run.status()['step'] < 20:
+            time.sleep(0.5)  # warm-up: start-up and the first steps are not measured
         dash = Dashboard(run, refresh_s=a.refresh, live=False)
         windows = []
         for w in range(2 * a.pairs + 1):
             on = bool(w % 2)
             start, cpu0, t0, rows0 = run.status()['step'], cpu(), time.perf_counter(), len(dash.metrics)
-            while t0 + a.window - time.perf_counter() > 0:   # polls at fixed offsets inside the window, none spilling out
-                if on: dash.poll_once()
+            while (
+                t0 + a.window - time.perf_counter() > 0
+            ):  # polls at fixed offsets inside the window, none spilling out
+                if on:
+                    dash.poll_once()
                 time.sleep(max(0.0, min(a.refresh, t0 + a.window - time.perf_counter())))
             end, used = run.status()['step'], (cpu() - cpu0) / (time.perf_counter() - t0)
-            windows.append(dict(on=on, first=start, last=end, cpu=used, redraws=len(dash.metrics) - rows0, errors=len(dash.errors)))
+            windows.append(
+                dict(on=on, first=start, last=end, cpu=used, redraws=len(dash.metrics) - rows0, errors=len(dash.errors))
+            )
         m = run.metrics()
-    finally: run.kill()
+    finally:
+        run.kill()
     for w in windows:
         w['rate'] = rate(m, w['first'], w['last'])
         part = m[(m.step > w['first']) & (m.step <= w['last'])]
         w['phases'] = {k: float(part[k].mean() * 1000) for k in ('time_collect', 'time_train', 'time_sync')}
-    phases = {on_: {k: statistics.median(w['phases'][k] for w in windows if w['on'] is on_) for k in windows[0]['phases']} for on_ in (True, False)}
-    print('ms per step (median over windows), off -> on: ' + ', '.join(f"{k.removeprefix('time_')} {phases[False][k]:.2f} -> {phases[True][k]:.2f}" for k in phases[True]))
-    pairs = [(windows[i]['rate'], (windows[i - 1]['rate'] + windows[i + 1]['rate']) / 2) for i in range(1, len(windows), 2)
-             if all(windows[j]['last'] > windows[j]['first'] for j in (i - 1, i, i + 1))]  # a window with no step has no rate
+    phases = {
+        on_: {k: statistics.median(w['phases'][k] for w in windows if w['on'] is on_) for k in windows[0]['phases']}
+        for on_ in (True, False)
+    }
+    print(
+        'ms per step (median over windows), off -> on: '
+        + ', '.join(f"{k.removeprefix('time_')} {phases[False][k]:.2f} -> {phases[True][k]:.2f}" for k in phases[True])
+    )
+    pairs = [
+        (windows[i]['rate'], (windows[i - 1]['rate'] + windows[i + 1]['rate']) / 2)
+        for i in range(1, len(windows), 2)
+        if all(windows[j]['last'] > windows[j]['first'] for j in (i - 1, i, i + 1))
+    ]  # a window with no step has no rate
     ratios = [on / off for on, off in pairs]
     ratio = statistics.median(ratios)
     boot = sorted(statistics.median(random.Random(i).choices(ratios, k=len(ratios))) for i in range(2000))
-    lo, hi = boot[100], boot[1899]   # a 90% bootstrap interval of the median
-    verdict = 'NOT met (the dashboard raised errors: see above)' if dash.errors else 'met' if ratio > 0.97 else 'NOT met'
-    for w in windows: print(f"dashboard {'on ' if w['on'] else 'off'} steps {w['first']}..{w['last']}: {w['rate']:.1f} rollouts/s, this process {1000 * w['cpu']:.0f} ms CPU per s" + (f" (dashboard took in {w['redraws']} metrics rows; errors so far {w['errors']})" if w['on'] else ''))
+    lo, hi = boot[100], boot[1899]  # a 90% bootstrap interval of the median
+    verdict = (
+        'NOT met (the dashboard raised errors: see above)' if dash.errors else 'met' if ratio > 0.97 else 'NOT met'
+    )
+    for w in windows:
+        print(
+            f"dashboard {'on ' if w['on'] else 'off'} steps {w['first']}..{w['last']}: {w['rate']:.1f} rollouts/s, this process {1000 * w['cpu']:.0f} ms CPU per s"
+            + (f" (dashboard took in {w['redraws']} metrics rows; errors so far {w['errors']})" if w['on'] else '')
+        )
     cpu_on, cpu_off = (statistics.median(w['cpu'] for w in windows if w['on'] is k) for k in (True, False))
-    print(f"dashboard CPU: {1000 * (cpu_on - cpu_off):.0f} ms per second (median on window {1000 * cpu_on:.0f}, off {1000 * cpu_off:.0f}), {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of this machine's {os.cpu_count()} cores")
-    print(f"on/off per pair: {' '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f}, 90% interval {lo:.3f}..{hi:.3f} (goal: the dashboard costs < 3% of samples/s: {verdict})")
+    print(
+        f"dashboard CPU: {1000 * (cpu_on - cpu_off):.0f} ms per second (median on window {1000 * cpu_on:.0f}, off {1000 * cpu_off:.0f}), {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of this machine's {os.cpu_count()} cores"
+    )
+    print(
+        f"on/off per pair: {' '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f}, 90% interval {lo:.3f}..{hi:.3f} (goal: the dashboard costs < 3% of samples/s: {verdict})"
+    )
     if a.append:
         text = f"""
 
@@ -93,6 +131,9 @@ Median on/off = {ratio:.3f} (90% bootstrap interval {lo:.3f}..{hi:.3f}). Goal (t
 The benchmark process used {1000 * cpu_on:.0f} ms of CPU per second with the dashboard and {1000 * cpu_off:.0f} ms without (medians
 over windows): the dashboard itself costs {1000 * (cpu_on - cpu_off):.0f} ms per second, {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of the machine's {os.cpu_count()} cores.
 """
-        with open(a.append, 'a') as f: f.write(text)
+        with open(a.append, 'a') as f:
+            f.write(text)
 
-if __name__ == '__main__': main()
+
+if __name__ == '__main__':
+    main()

@@ -7,6 +7,7 @@ the control gains <= 10. Run it alone on the machine: RL's progress per second d
 
     .venv/bin/python bench/learn.py [--seeds 0 1 2] [--append bench/RESULTS.md]
 """
+
 import argparse, datetime, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 import pandas as pd
@@ -24,32 +25,58 @@ def main():
     for seed in args.seeds:
         run_dir = Path(tempfile.mkdtemp(prefix=f'molt-learn-{seed}-'))
         start = time.perf_counter()
-        subprocess.run([str(Path(sys.executable).parent/'molt-nb'), 'train', str(ROOT/'recipes'/'arith'), f'loop.seed={seed}', f'run_dir="{run_dir}"'], check=True)
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / 'molt-nb'),
+                'train',
+                str(ROOT / 'recipes' / 'arith'),
+                f'loop.seed={seed}',
+                f'run_dir="{run_dir}"',
+            ],
+            check=True,
+        )
         wall = time.perf_counter() - start
-        s = pd.read_csv(run_dir/'summary.csv').set_index('stage')
-        m = pd.read_parquet(run_dir/'metrics.parquet')
+        s = pd.read_csv(run_dir / 'summary.csv').set_index('stage')
+        m = pd.read_parquet(run_dir / 'metrics.parquet')
         steps = m[m.step > 0]
-        rows.append(dict(seed=seed, warm=s.accuracy.iloc[0], rl=s.loc['after RL', 'accuracy'], control=s.loc['control: more supervision', 'accuracy'],
-                         rl_gain=s.loc['after RL', 'gain'], control_gain=s.loc['control: more supervision', 'gain'], steps=int(steps.step.max()),
-                         rollouts_per_s=float(steps.rollouts.sum() / m.time.max()), wall=wall))
+        rows.append(
+            dict(
+                seed=seed,
+                warm=s.accuracy.iloc[0],
+                rl=s.loc['after RL', 'accuracy'],
+                control=s.loc['control: more supervision', 'accuracy'],
+                rl_gain=s.loc['after RL', 'gain'],
+                control_gain=s.loc['control: more supervision', 'gain'],
+                steps=int(steps.step.max()),
+                rollouts_per_s=float(steps.rollouts.sum() / m.time.max()),
+                wall=wall,
+            )
+        )
         print(rows[-1], flush=True)
     ok = all(r['rl_gain'] >= 0.40 and r['control_gain'] <= 0.10 for r in rows)
-    lines = [f"## learn: the main job per seed, RL against a supervised control ({datetime.date.today()})", "",
-             f"Command: `.venv/bin/python bench/learn.py --seeds {' '.join(map(str, args.seeds))}` (each seed is `molt-nb train recipes/arith "
-             f"loop.seed=S`, run alone). Machine: {os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch {torch.__version__}. "
-             "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, async with "
-             "max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from the same warm start for as long as "
-             "RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 evaluations. Bar: RL gain >= +0.40 and control "
-             "gain <= +0.10 on every seed.", "",
-             "| seed | warm start | after RL | control | RL gain | control gain | RL steps | rollouts/s | wall (whole command) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## learn: the main job per seed, RL against a supervised control ({datetime.date.today()})",
+        "",
+        f"Command: `.venv/bin/python bench/learn.py --seeds {' '.join(map(str, args.seeds))}` (each seed is `molt-nb train recipes/arith "
+        f"loop.seed=S`, run alone). Machine: {os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch {torch.__version__}. "
+        "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, async with "
+        "max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from the same warm start for as long as "
+        "RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 evaluations. Bar: RL gain >= +0.40 and control "
+        "gain <= +0.10 on every seed.",
+        "",
+        "| seed | warm start | after RL | control | RL gain | control gain | RL steps | rollouts/s | wall (whole command) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['warm']:.3f} | {r['rl']:.3f} | {r['control']:.3f} | **{r['rl_gain']:+.3f}** | {r['control_gain']:+.3f} | "
-                     f"{r['steps']} | {r['rollouts_per_s']:.0f} | {r['wall']:.0f} s |")
+        lines.append(
+            f"| {r['seed']} | {r['warm']:.3f} | {r['rl']:.3f} | {r['control']:.3f} | **{r['rl_gain']:+.3f}** | {r['control_gain']:+.3f} | "
+            f"{r['steps']} | {r['rollouts_per_s']:.0f} | {r['wall']:.0f} s |"
+        )
     lines += ["", f"Bar met on every seed: **{'yes' if ok else 'no'}**.", ""]
     print("\n".join(lines))
     if args.append:
-        with open(args.append, 'a') as f: f.write("\n" + "\n".join(lines))
+        with open(args.append, 'a') as f:
+            f.write("\n" + "\n".join(lines))
 
 
 if __name__ == '__main__':

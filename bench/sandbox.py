@@ -6,6 +6,7 @@ sandbox is the module as it was at commit b93c640 (read from git), loaded under 
 
     .venv/bin/python bench/sandbox.py [--reps 7] [--append bench/RESULTS.md]
 """
+
 import argparse, asyncio, datetime, importlib.util, os, platform, statistics, subprocess, sys, tempfile, time
 
 from molt_nb.tools import run_python
@@ -16,16 +17,22 @@ PROGRAMS = dict(print='print(37 * 12)', cut='print("x" * 20000)', sleep='import 
 
 def old_run_python():
     "run_python as it was before this issue's sandbox"
-    src = subprocess.run(['git', 'show', f'{OLD_COMMIT}:molt_nb/tools.py'], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    src = subprocess.run(
+        ['git', 'show', f'{OLD_COMMIT}:molt_nb/tools.py'],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ).stdout
     path = os.path.join(tempfile.mkdtemp(prefix='old-tools-'), 'old_tools.py')
     open(path, 'w').write(src)
     spec = importlib.util.spec_from_file_location('old_tools', path)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod.run_python
 
 
-async def timed(fn, code:str, concurrent:int) -> float:
+async def timed(fn, code: str, concurrent: int) -> float:
     "Seconds per call: one call, or `concurrent` at once (wall time / calls)"
     start = time.perf_counter()
     outs = await asyncio.gather(*[fn(code) for _ in range(concurrent)])
@@ -33,15 +40,17 @@ async def timed(fn, code:str, concurrent:int) -> float:
     return (time.perf_counter() - start) / concurrent
 
 
-async def main(reps:int) -> list:
+async def main(reps: int) -> list:
     arms = dict(old=old_run_python(), bwrap=run_python)
-    for fn in arms.values(): await fn('pass')  # warm: the bwrap probe, page cache
+    for fn in arms.values():
+        await fn('pass')  # warm: the bwrap probe, page cache
     rows = []
     for name, code in PROGRAMS.items():
         for concurrent in (1, 8):
             got = {a: [] for a in arms}
             for _ in range(reps):
-                for a, fn in arms.items(): got[a].append(await timed(fn, code, concurrent))
+                for a, fn in arms.items():
+                    got[a].append(await timed(fn, code, concurrent))
             old, new = statistics.median(got['old']), statistics.median(got['bwrap'])
             rows.append((name, concurrent, old * 1e3, new * 1e3, new / old))
     return rows
@@ -53,11 +62,17 @@ if __name__ == '__main__':
     ap.add_argument('--append', help='append the table to this markdown file')
     args = ap.parse_args()
     rows = asyncio.run(main(args.reps))
-    lines = [f"## sandbox: per-call overhead, before issue 16 vs bubblewrap ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, euid {os.geteuid()})", '',
-             f"`.venv/bin/python bench/sandbox.py --reps {args.reps}`: medians of {args.reps} alternated repetitions, ms per call.", '',
-             '| program | calls at once | old (audit hook + unshare --net) | bubblewrap | ratio |', '|---|---|---|---|---|']
+    lines = [
+        f"## sandbox: per-call overhead, before issue 16 vs bubblewrap ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, euid {os.geteuid()})",
+        '',
+        f"`.venv/bin/python bench/sandbox.py --reps {args.reps}`: medians of {args.reps} alternated repetitions, ms per call.",
+        '',
+        '| program | calls at once | old (audit hook + unshare --net) | bubblewrap | ratio |',
+        '|---|---|---|---|---|',
+    ]
     lines += [f"| {n} | {c} | {o:.0f} | {b:.0f} | {r:.2f} |" for n, c, o, b, r in rows]
     text = '\n'.join(lines) + '\n'
     print(text)
     if args.append:
-        with open(args.append, 'a') as f: f.write('\n' + text)
+        with open(args.append, 'a') as f:
+            f.write('\n' + text)

@@ -26,56 +26,83 @@ from .weight_sync import named_weights, to_buckets
 @dataclass(frozen=True)
 class OptimConfig:
     "AdamW, gradient clipping and the learning-rate schedule"
-    lr:float=1e-4 # peak learning rate
-    betas:tuple=(0.9, 0.99) # AdamW betas
-    weight_decay:float=0.0 # AdamW decoupled weight decay
-    eps:float=1e-8 # AdamW epsilon
-    grad_clip:float=1.0 # clip the global gradient norm to this; 0 turns clipping off
-    warmup_steps:int=0 # linear warm-up from 0 over this many optimizer steps
-    schedule:str='constant' # after warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio * lr
-    total_steps:int|None=None # steps the decay spans (required for 'linear' and 'cosine')
-    min_lr_ratio:float=0.0 # the decay's floor, as a fraction of lr
+
+    lr: float = 1e-4  # peak learning rate
+    betas: tuple = (0.9, 0.99)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 turns clipping off
+    warmup_steps: int = 0  # linear warm-up from 0 over this many optimizer steps
+    schedule: str = 'constant'  # after warm-up: 'constant', 'linear' or 'cosine' decay to min_lr_ratio * lr
+    total_steps: int | None = None  # steps the decay spans (required for 'linear' and 'cosine')
+    min_lr_ratio: float = 0.0  # the decay's floor, as a fraction of lr
 
     def __post_init__(self):
-        def bad(name, expected): raise ValueError(f"OptimConfig.{name} is {getattr(self, name)!r}, expected {expected}")
-        if not self.lr > 0: bad('lr', 'a learning rate > 0, such as 1e-4')
-        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)): bad('betas', 'two numbers in [0, 1)')
-        if self.weight_decay < 0: bad('weight_decay', '>= 0')
-        if self.grad_clip < 0: bad('grad_clip', '>= 0 (0 turns clipping off)')
-        if self.warmup_steps < 0: bad('warmup_steps', '>= 0')
-        if self.schedule not in ('constant', 'linear', 'cosine'): bad('schedule', "one of 'constant', 'linear', 'cosine'")
-        if self.schedule != 'constant' and not (self.total_steps and self.total_steps > self.warmup_steps): bad('total_steps', f"an int > warmup_steps for schedule={self.schedule!r}")
-        if not 0 <= self.min_lr_ratio <= 1: bad('min_lr_ratio', 'in [0, 1]')
+        def bad(name, expected):
+            raise ValueError(f"OptimConfig.{name} is {getattr(self, name)!r}, expected {expected}")
+
+        if not self.lr > 0:
+            bad('lr', 'a learning rate > 0, such as 1e-4')
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            bad('betas', 'two numbers in [0, 1)')
+        if self.weight_decay < 0:
+            bad('weight_decay', '>= 0')
+        if self.grad_clip < 0:
+            bad('grad_clip', '>= 0 (0 turns clipping off)')
+        if self.warmup_steps < 0:
+            bad('warmup_steps', '>= 0')
+        if self.schedule not in ('constant', 'linear', 'cosine'):
+            bad('schedule', "one of 'constant', 'linear', 'cosine'")
+        if self.schedule != 'constant' and not (self.total_steps and self.total_steps > self.warmup_steps):
+            bad('total_steps', f"an int > warmup_steps for schedule={self.schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad('min_lr_ratio', 'in [0, 1]')
 
 # %% ../nbs/10_actor.ipynb #db295a4f
 @dataclass(frozen=True)
 class AlgoConfig:
     "The RL algorithm: advantage estimator, loss, KL terms and the temperature logprobs are taken at"
-    estimator:str='grpo' # a registered advantage estimator
-    whiten:bool|None=None # whiten advantages; None: the estimator's default
-    gamma:float=1.0 # discount (reinforce, gae)
-    lam:float=1.0 # GAE lambda
-    kl_penalty:float=0.0 # weight of a k1 KL(policy || reference) penalty in the token rewards (reinforce, gae)
-    distill_coef:float=1.0 # weight of the teacher's advantage (on_policy_distill)
-    loss:LossConfig=LossConfig() # policy loss, aggregation, KL loss term and IS correction; a dict is converted
-    temperature:float=1.0 # the rollout's sampling temperature: logprobs are scored at it, as the engine sampled
+
+    estimator: str = 'grpo'  # a registered advantage estimator
+    whiten: bool | None = None  # whiten advantages; None: the estimator's default
+    gamma: float = 1.0  # discount (reinforce, gae)
+    lam: float = 1.0  # GAE lambda
+    kl_penalty: float = 0.0  # weight of a k1 KL(policy || reference) penalty in the token rewards (reinforce, gae)
+    distill_coef: float = 1.0  # weight of the teacher's advantage (on_policy_distill)
+    loss: LossConfig = LossConfig()  # policy loss, aggregation, KL loss term and IS correction; a dict is converted
+    temperature: float = 1.0  # the rollout's sampling temperature: logprobs are scored at it, as the engine sampled
 
     def __post_init__(self):
-        if isinstance(self.loss, dict): object.__setattr__(self, 'loss', LossConfig(**self.loss))
-        try: get_estimator(self.estimator)
-        except ValueError as e: raise ValueError(f"AlgoConfig.estimator: {e}") from None
-        for name, lo, hi in (('gamma', 0, 1), ('lam', 0, 1), ('kl_penalty', 0, math.inf), ('distill_coef', 0, math.inf)):
-            if not lo <= getattr(self, name) <= hi: raise ValueError(f"AlgoConfig.{name} is {getattr(self, name)!r}, expected a value in [{lo}, {hi}]")
-        if not self.temperature > 0: raise ValueError(f"AlgoConfig.temperature is {self.temperature!r}: logprobs need the rollout's sampling temperature (> 0); greedy rollouts cannot be trained on")
+        if isinstance(self.loss, dict):
+            object.__setattr__(self, 'loss', LossConfig(**self.loss))
+        try:
+            get_estimator(self.estimator)
+        except ValueError as e:
+            raise ValueError(f"AlgoConfig.estimator: {e}") from None
+        for name, lo, hi in (
+            ('gamma', 0, 1),
+            ('lam', 0, 1),
+            ('kl_penalty', 0, math.inf),
+            ('distill_coef', 0, math.inf),
+        ):
+            if not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"AlgoConfig.{name} is {getattr(self, name)!r}, expected a value in [{lo}, {hi}]")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"AlgoConfig.temperature is {self.temperature!r}: logprobs need the rollout's sampling temperature (> 0); greedy rollouts cannot be trained on"
+            )
 
     @property
-    def needs_reference(self) -> bool: return self.kl_penalty > 0 or self.loss.kl_coef > 0
+    def needs_reference(self) -> bool:
+        return self.kl_penalty > 0 or self.loss.kl_coef > 0
 
 # %% ../nbs/10_actor.ipynb #801c6d04
-def lr_factor(step:int, cfg:OptimConfig) -> float:
+def lr_factor(step: int, cfg: OptimConfig) -> float:
     "Multiplier of `cfg.lr` at optimizer step `step` (0-based)"
-    if step < cfg.warmup_steps: return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.schedule == 'constant': return 1.0
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.schedule == 'constant':
+        return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
     shape = 1 - progress if cfg.schedule == 'linear' else 0.5 * (1 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
@@ -84,33 +111,52 @@ def lr_factor(step:int, cfg:OptimConfig) -> float:
 @dataclass
 class StepResult:
     "What one optimizer step reports"
-    metrics:dict # name -> float
-    advantages:Tensor # (B, T) per-token advantages
-    logprobs:Tensor # (B, T) the trainer's logprobs before the step
-    is_weights:Tensor # (B, T) train/behaviour ratio per token (1 off action tokens)
-    is_keep:Tensor # (B, T) bool, action tokens that trained
-    routes:Tensor|None=None # MoE: (B, T, layers, top_k) experts the trainer's own routers chose (-1 on rows not trained)
+
+    metrics: dict  # name -> float
+    advantages: Tensor  # (B, T) per-token advantages
+    logprobs: Tensor  # (B, T) the trainer's logprobs before the step
+    is_weights: Tensor  # (B, T) train/behaviour ratio per token (1 off action tokens)
+    is_keep: Tensor  # (B, T) bool, action tokens that trained
+    routes: Tensor | None = (
+        None  # MoE: (B, T, layers, top_k) experts the trainer's own routers chose (-1 on rows not trained)
+    )
+
 
 class PolicyActor:
     "Trains a causal LM on collated batches with a registered estimator and policy loss"
-    def __init__(self, model, # a transformers causal LM, trained in place
-                 algo:AlgoConfig=AlgoConfig(), optim:OptimConfig=OptimConfig(),
-                 micro_batch_rows:int=32, # rows per forward/backward; the gradient does not depend on it
-                 ref_model=None, # frozen reference for KL terms (required when algo uses one)
-                 teacher=None, # frozen teacher (required by on_policy_distill)
-                 version:int=0, # policy version of `model`'s weights
-                 routing:RoutingConfig=RoutingConfig()): # MoE policies: routing replay and router freezing
-        if micro_batch_rows < 1: raise ValueError(f"PolicyActor.micro_batch_rows is {micro_batch_rows}: use at least 1 row per micro-batch")
-        if algo.needs_reference and ref_model is None: raise ValueError("AlgoConfig uses a KL term (kl_penalty or loss.kl_coef > 0) but no ref_model was given: pass the frozen reference model or set both to 0")
-        if algo.estimator == 'on_policy_distill' and teacher is None: raise ValueError("AlgoConfig.estimator='on_policy_distill' needs a teacher: pass teacher=<frozen model>")
+
+    def __init__(
+        self,
+        model,  # a transformers causal LM, trained in place
+        algo: AlgoConfig = AlgoConfig(),
+        optim: OptimConfig = OptimConfig(),
+        micro_batch_rows: int = 32,  # rows per forward/backward; the gradient does not depend on it
+        ref_model=None,  # frozen reference for KL terms (required when algo uses one)
+        teacher=None,  # frozen teacher (required by on_policy_distill)
+        version: int = 0,  # policy version of `model`'s weights
+        routing: RoutingConfig = RoutingConfig(),
+    ):  # MoE policies: routing replay and router freezing
+        if micro_batch_rows < 1:
+            raise ValueError(f"PolicyActor.micro_batch_rows is {micro_batch_rows}: use at least 1 row per micro-batch")
+        if algo.needs_reference and ref_model is None:
+            raise ValueError(
+                "AlgoConfig uses a KL term (kl_penalty or loss.kl_coef > 0) but no ref_model was given: pass the frozen reference model or set both to 0"
+            )
+        if algo.estimator == 'on_policy_distill' and teacher is None:
+            raise ValueError("AlgoConfig.estimator='on_policy_distill' needs a teacher: pass teacher=<frozen model>")
         self.model, self.algo, self.optim, self.micro_batch_rows = model.train(), algo, optim, micro_batch_rows
-        self.ref_model, self.teacher = [m.eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)]
+        self.ref_model, self.teacher = [
+            m.eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)
+        ]
         self.routing, self.router = routing, None
         if moe_gates(model):
-            if routing.freeze_router: freeze_routers(model)
+            if routing.freeze_router:
+                freeze_routers(model)
             self.router = RouteReplay(model, routing.replay)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+        self.opt = torch.optim.AdamW(
+            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.optim))
         self.step, self.version = 0, version
         # a step whose gradient is not finite skips its update and counts it (`nonfinite_steps`) rather than end the
@@ -119,36 +165,44 @@ class PolicyActor:
 
 # %% ../nbs/10_actor.ipynb #42e173df
 @patch
-def _forward_logprobs(self:PolicyActor, model, mb:Batch) -> Tensor:
+def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
     "(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled); the policy replays `mb.routes`"
     if model is self.model and self.router is not None:
-        with self.router.replaying(mb.routes, mb.attention_mask): logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    else: logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    return -F.cross_entropy((logits.float() / self.algo.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none')
+        with self.router.replaying(mb.routes, mb.attention_mask):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    else:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    return -F.cross_entropy(
+        (logits.float() / self.algo.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none'
+    )
+
 
 @patch
-def _micro_batches(self:PolicyActor, batch:Batch, rows:list|None=None) -> list:
+def _micro_batches(self: PolicyActor, batch: Batch, rows: list | None = None) -> list:
     "Row indices (of `rows`, default all) of each micro-batch, in order"
     rows = list(range(len(batch))) if rows is None else list(rows)
-    return [rows[i:i + self.micro_batch_rows] for i in range(0, len(rows), self.micro_batch_rows)]
+    return [rows[i : i + self.micro_batch_rows] for i in range(0, len(rows), self.micro_batch_rows)]
+
 
 @patch
 @torch.no_grad()
-def logprobs(self:PolicyActor, batch:Batch, model=None) -> Tensor:
+def logprobs(self: PolicyActor, batch: Batch, model=None) -> Tensor:
     "(B, T-1) logprobs of the batch's tokens under `model` (the policy by default), without gradient"
     out = torch.zeros(batch.action_mask.shape)
     for rows in self._micro_batches(batch):
         lp = self._forward_logprobs(model or self.model, batch.select(rows))
-        out[rows, :lp.shape[1]] = lp
+        out[rows, : lp.shape[1]] = lp
     return out
 
 # %% ../nbs/10_actor.ipynb #6af3b2bb
 @patch
-def advantages(self:PolicyActor, batch:Batch) -> Tensor:
+def advantages(self: PolicyActor, batch: Batch) -> Tensor:
     "(B, T-1) advantages of `batch` under the configured estimator"
     a, fields = self.algo, {}
-    if a.kl_penalty > 0: fields['kl'] = kl_estimate(self.logprobs(batch), self.logprobs(batch, self.ref_model), 'k1')
-    if self.teacher is not None: fields['teacher_logprobs'] = self.logprobs(batch, self.teacher)
+    if a.kl_penalty > 0:
+        fields['kl'] = kl_estimate(self.logprobs(batch), self.logprobs(batch, self.ref_model), 'k1')
+    if self.teacher is not None:
+        fields['teacher_logprobs'] = self.logprobs(batch, self.teacher)
     x = advantage_input(batch, kl_coef=a.kl_penalty, distill_coef=a.distill_coef, gamma=a.gamma, lam=a.lam, **fields)
     return compute_advantages(x, a.estimator, a.whiten)
 
@@ -156,164 +210,249 @@ def advantages(self:PolicyActor, batch:Batch) -> Tensor:
 class BackwardError(RuntimeError):
     "The backward pass of the policy loss raised"
 
+
 @patch
-def _accumulate(self:PolicyActor, batch:Batch, adv:Tensor, rows:list|None=None) -> tuple:
+def _accumulate(self: PolicyActor, batch: Batch, adv: Tensor, rows: list | None = None) -> tuple:
     "Backward over the micro-batches of `rows` (default all); the metrics (token-weighted) with the loss, the trainer's logprobs, and for MoE its (natural, used) routes"
     cfg, old = self.algo.loss, torch.zeros(batch.action_mask.shape)
-    routes = None if self.router is None else [torch.full((*batch.input_ids.shape, self.router.num_layers, self.router.top_k), -1, dtype=torch.int16) for _ in range(2)]
-    denominator, sums, loss_total = loss_denominator(batch.action_mask, cfg), {}, 0.
+    routes = (
+        None
+        if self.router is None
+        else [
+            torch.full((*batch.input_ids.shape, self.router.num_layers, self.router.top_k), -1, dtype=torch.int16)
+            for _ in range(2)
+        ]
+    )
+    denominator, sums, loss_total = loss_denominator(batch.action_mask, cfg), {}, 0.0
     for rows in self._micro_batches(batch, rows):
         mb = batch.select(rows)
         t = mb.action_mask.shape[1]
         logp = self._forward_logprobs(self.model, mb)
         if routes is not None:
-            for whole, part in zip(routes, self.router.last(tuple(mb.input_ids.shape))): whole[rows, :t + 1] = part
+            for whole, part in zip(routes, self.router.last(tuple(mb.input_ids.shape))):
+                whole[rows, : t + 1] = part
         ref = self.logprobs(mb, self.ref_model) if cfg.kl_coef > 0 else None
         loss, m, _ = compute_loss(logp, logp.detach(), adv[rows][:, :t], mb, cfg, self.version, ref, denominator)
-        try: loss.backward()
-        except Exception as e: raise BackwardError(f"the backward pass of policy loss {cfg.policy_loss!r} failed: {type(e).__name__}: {e}") from e
+        try:
+            loss.backward()
+        except Exception as e:
+            raise BackwardError(
+                f"the backward pass of policy loss {cfg.policy_loss!r} failed: {type(e).__name__}: {e}"
+            ) from e
         old[rows, :t] = logp.detach()
         n = float(mb.action_mask.sum())
         for k in ('pg_loss', 'kl_loss', 'clip_fraction', 'ratio_mean'):
-            if k in m: sums[k] = sums.get(k, 0.) + m[k] * n
+            if k in m:
+                sums[k] = sums.get(k, 0.0) + m[k] * n
         loss_total += float(loss.detach())
-    n = max(float(batch.action_mask[rows].sum()) if rows else 1., 1.)
+    n = max(float(batch.action_mask[rows].sum()) if rows else 1.0, 1.0)
     return {k: v / n for k, v in sums.items()} | dict(loss=loss_total), old, routes
 
 # %% ../nbs/10_actor.ipynb #9cb784c3
-ZERO_ADVANTAGE_NO_GRADIENT = ('ppo', 'gspo', 'cispo') # built-in losses whose tokens with advantage 0 add exactly 0 to the gradient
+ZERO_ADVANTAGE_NO_GRADIENT = (
+    'ppo',
+    'gspo',
+    'cispo',
+)  # built-in losses whose tokens with advantage 0 add exactly 0 to the gradient
+
 
 @patch
-def _live_rows(self:PolicyActor, batch:Batch, adv:Tensor) -> list:
+def _live_rows(self: PolicyActor, batch: Batch, adv: Tensor) -> list:
     "Rows whose gradient can be non-zero: all of them, unless the loss is a built-in one without a KL term"
     c = self.algo.loss
-    if c.kl_coef > 0 or c.policy_loss not in ZERO_ADVANTAGE_NO_GRADIENT: return list(range(len(batch)))
+    if c.kl_coef > 0 or c.policy_loss not in ZERO_ADVANTAGE_NO_GRADIENT:
+        return list(range(len(batch)))
     return ((adv != 0) & batch.action_mask).any(1).nonzero()[:, 0].tolist()
 
+
 @patch
-def train_step(self:PolicyActor, batch:Batch) -> StepResult:
+def train_step(self: PolicyActor, batch: Batch) -> StepResult:
     "One optimizer step on `batch` (skipped and counted if its gradient is not finite); the weights become version `self.version + 1`. A step that raises changes nothing"
     try:
         adv = self.advantages(batch)
         live = self._live_rows(batch, adv)
         metrics, old, routes = self._accumulate(batch, adv, live)
-        unreplayed = self._unreplayed(batch, live) if routes is not None and self.routing.replay and self.routing.compare and live else None
+        unreplayed = (
+            self._unreplayed(batch, live)
+            if routes is not None and self.routing.replay and self.routing.compare and live
+            else None
+        )
         params = [p for g in self.opt.param_groups for p in g['params']]
         norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf)
         if not norm.isfinite() and not self.skip_nonfinite:
-            raise FloatingPointError(f"the gradient norm is {float(norm)}: the loss of this batch has a non-finite gradient somewhere, so the step changed nothing")
+            raise FloatingPointError(
+                f"the gradient norm is {float(norm)}: the loss of this batch has a non-finite gradient somewhere, so the step changed nothing"
+            )
     except BaseException:
         # gradients of the micro-batches done so far would be added to the next step's: drop them (weights, optimizer
         # and step count are untouched until opt.step below)
         self.opt.zero_grad(set_to_none=True)
         raise
     lr = self.opt.param_groups[0]['lr']
-    if norm.isfinite(): # else the update (and its lr schedule step) is skipped: the step counts, the weights stay
+    if norm.isfinite():  # else the update (and its lr schedule step) is skipped: the step counts, the weights stay
         self.opt.step()
         self.scheduler.step()
     self.opt.zero_grad(set_to_none=True)
     weights, keep, is_metrics = self._correction(batch, old, live)
-    if routes is not None: metrics |= self._routing_metrics(batch, old, live, *routes, unreplayed)
+    if routes is not None:
+        metrics |= self._routing_metrics(batch, old, live, *routes, unreplayed)
     self.step, self.version = self.step + 1, self.version + 1
     act = batch.action_mask
-    metrics |= dict(grad_norm=float(norm), nonfinite_steps=float(not norm.isfinite()), lr=lr, tokens=float(act.sum()), rows=float(len(batch)), trained_rows=float(len(live)),
-                    adv_mean=float(adv[act].mean()) if act.any() else 0., adv_abs=float(adv[act].abs().mean()) if act.any() else 0.)
+    metrics |= dict(
+        grad_norm=float(norm),
+        nonfinite_steps=float(not norm.isfinite()),
+        lr=lr,
+        tokens=float(act.sum()),
+        rows=float(len(batch)),
+        trained_rows=float(len(live)),
+        adv_mean=float(adv[act].mean()) if act.any() else 0.0,
+        adv_abs=float(adv[act].abs().mean()) if act.any() else 0.0,
+    )
     return StepResult(metrics | is_metrics, adv, old, weights, keep, None if routes is None else routes[0])
 
+
 @patch
-def _correction(self:PolicyActor, batch:Batch, old:Tensor, live:list) -> tuple:
+def _correction(self: PolicyActor, batch: Batch, old: Tensor, live: list) -> tuple:
     "(B, T) IS weights and keep mask (1 and False on rows not trained), and the IS metrics of the trained rows"
     weights, keep = torch.ones(batch.action_mask.shape), torch.zeros(batch.action_mask.shape, dtype=torch.bool)
-    if not live: return weights, keep, {}
+    if not live:
+        return weights, keep, {}
     c, idx = self.algo.loss.is_correction, torch.tensor(live)
     r = is_correction(old[idx], batch.logprobs[idx], batch.action_mask[idx], c, batch.versions[idx], self.version)
     weights[idx], keep[idx] = r.weights, r.keep
     return weights, keep, r.metrics
 
+
 @patch
 @torch.no_grad()
-def _unreplayed(self:PolicyActor, batch:Batch, live:list) -> Tensor:
+def _unreplayed(self: PolicyActor, batch: Batch, live: list) -> Tensor:
     "(B, T-1) logprobs of rows `live` with the routers choosing for themselves (replay off for this forward only)"
     out = torch.zeros(batch.action_mask.shape)
     self.router.replay = False
     try:
         for rows in self._micro_batches(batch, live):
             lp = self._forward_logprobs(self.model, batch.select(rows))
-            out[rows, :lp.shape[1]] = lp
-    finally: self.router.replay = True
+            out[rows, : lp.shape[1]] = lp
+    finally:
+        self.router.replay = True
     return out
 
+
 @patch
-def _routing_metrics(self:PolicyActor, batch:Batch, old:Tensor, live:list, natural:Tensor, used:Tensor,
-                     unreplayed:Tensor|None=None) -> dict: # logprobs of the same rows under live routing (`RoutingConfig.compare`)
+def _routing_metrics(
+    self: PolicyActor,
+    batch: Batch,
+    old: Tensor,
+    live: list,
+    natural: Tensor,
+    used: Tensor,
+    unreplayed: Tensor | None = None,
+) -> dict:  # logprobs of the same rows under live routing (`RoutingConfig.compare`)
     "Forward consistency of a MoE step over the trained rows: routing agreement (used and natural) and the on-policy logprob gap"
     out = {'routing/replay': float(self.routing.replay)}
-    if not live: return out
+    if not live:
+        return out
     idx = torch.tensor(live)
-    on_policy = batch.action_mask[idx] & (batch.versions[idx] == self.version) # sampled by the weights that scored them
+    on_policy = batch.action_mask[idx] & (
+        batch.versions[idx] == self.version
+    )  # sampled by the weights that scored them
     out |= {f"routing/{k}": v for k, v in logprob_gap(old[idx], batch.logprobs[idx], on_policy).items()}
     if unreplayed is not None:
         out |= {f"routing/live_{k}": v for k, v in logprob_gap(unreplayed[idx], batch.logprobs[idx], on_policy).items()}
-        r = is_correction(unreplayed[idx], batch.logprobs[idx], batch.action_mask[idx], self.algo.loss.is_correction, batch.versions[idx], self.version)
-        if 'is_filtered' in r.metrics: out['routing/live_is_filtered'] = r.metrics['is_filtered']
-    if batch.routes is None: return out
+        r = is_correction(
+            unreplayed[idx],
+            batch.logprobs[idx],
+            batch.action_mask[idx],
+            self.algo.loss.is_correction,
+            batch.versions[idx],
+            self.version,
+        )
+        if 'is_filtered' in r.metrics:
+            out['routing/live_is_filtered'] = r.metrics['is_filtered']
+    if batch.routes is None:
+        return out
     valid = batch.attention_mask[idx].bool()
     a = route_agreement(batch.routes[idx], used[idx], valid)
-    b = route_agreement(batch.routes[idx], natural[idx], valid) if self.routing.replay else a # without replay the forward used its own choice
+    b = (
+        route_agreement(batch.routes[idx], natural[idx], valid) if self.routing.replay else a
+    )  # without replay the forward used its own choice
     for name, r in (('', a), ('natural_', b)):
         out[f"routing/{name}tokens"] = float(r['tokens'])
-        out |= {f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v for k, v in r.items() if k != 'tokens'}
+        out |= {
+            f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v
+            for k, v in r.items()
+            if k != 'tokens'
+        }
     return out
 
 # %% ../nbs/10_actor.ipynb #e23c51dc
 @patch
-def weights(self:PolicyActor, bucket_mb:float=64) -> list:
+def weights(self: PolicyActor, bucket_mb: float = 64) -> list:
     "The policy's parameters as `Bucket`s, for a weight sync"
     return to_buckets(named_weights(self.model), bucket_mb)
 
 # %% ../nbs/10_actor.ipynb #90266b68
-def _write_atomic(path:Path, text:str):
+def _write_atomic(path: Path, text: str):
     "Write `text` to `path` through a temporary file and a rename"
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+    with open(tmp, 'w') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
-def latest_checkpoint(root) -> Path|None:
+
+def latest_checkpoint(root) -> Path | None:
     "The directory the `latest` pointer under `root` names, or None"
-    ptr = Path(root)/'latest'
-    return Path(root)/ptr.read_text().strip() if ptr.exists() else None
+    ptr = Path(root) / 'latest'
+    return Path(root) / ptr.read_text().strip() if ptr.exists() else None
 
 # %% ../nbs/10_actor.ipynb #6ae85846
 @patch
-def save(self:PolicyActor, root, # directory holding the run's checkpoints
-         extra:dict|None=None, # caller state saved alongside (e.g. the data position), JSON-serialisable
-        ) -> Path:
+def save(
+    self: PolicyActor,
+    root,  # directory holding the run's checkpoints
+    extra: dict | None = None,  # caller state saved alongside (e.g. the data position), JSON-serialisable
+) -> Path:
     "Write a checkpoint of the current step under `root` and point `latest` at it"
-    root = Path(root); root.mkdir(parents=True, exist_ok=True)
-    name, tmp = f"step_{self.step:08d}", root/f".tmp_{uuid.uuid4().hex}"
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name, tmp = f"step_{self.step:08d}", root / f".tmp_{uuid.uuid4().hex}"
     tmp.mkdir()
-    save_model(self.model, str(tmp/'model.safetensors'))
+    save_model(self.model, str(tmp / 'model.safetensors'))
     self.model.config.save_pretrained(tmp)
     rng = dict(torch=torch.get_rng_state(), python=random.getstate())
-    torch.save(dict(optimizer=self.opt.state_dict(), scheduler=self.scheduler.state_dict(), rng=rng), tmp/'trainer.pt')
-    (tmp/'state.json').write_text(json.dumps(dict(step=self.step, version=self.version, extra=extra or {})))
-    if (root/name).exists(): shutil.rmtree(root/name)
-    os.replace(tmp, root/name)
-    _write_atomic(root/'latest', name)
-    return root/name
+    torch.save(
+        dict(optimizer=self.opt.state_dict(), scheduler=self.scheduler.state_dict(), rng=rng), tmp / 'trainer.pt'
+    )
+    (tmp / 'state.json').write_text(json.dumps(dict(step=self.step, version=self.version, extra=extra or {})))
+    if (root / name).exists():
+        shutil.rmtree(root / name)
+    os.replace(tmp, root / name)
+    _write_atomic(root / 'latest', name)
+    return root / name
 
 # %% ../nbs/10_actor.ipynb #123a455a
 @patch
-def load(self:PolicyActor, path) -> dict:
+def load(self: PolicyActor, path) -> dict:
     "Restore weights, optimizer, scheduler, RNG, step and version from a checkpoint directory (or a root with `latest`); returns `extra`"
     path = Path(path)
-    if (path/'latest').exists(): path = latest_checkpoint(path)
-    if not (path/'state.json').exists(): raise FileNotFoundError(f"{str(path)!r} is not a checkpoint (no state.json): give a directory written by PolicyActor.save or its root")
-    missing, unexpected = load_model(self.model, str(path/'model.safetensors'), strict=False)
-    if missing or unexpected: raise ValueError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    trainer = torch.load(path/'trainer.pt', weights_only=False)
-    self.opt.load_state_dict(trainer['optimizer']); self.scheduler.load_state_dict(trainer['scheduler'])
-    torch.set_rng_state(trainer['rng']['torch']); random.setstate(trainer['rng']['python'])
-    state = json.loads((path/'state.json').read_text())
+    if (path / 'latest').exists():
+        path = latest_checkpoint(path)
+    if not (path / 'state.json').exists():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a checkpoint (no state.json): give a directory written by PolicyActor.save or its root"
+        )
+    missing, unexpected = load_model(self.model, str(path / 'model.safetensors'), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
+    trainer = torch.load(path / 'trainer.pt', weights_only=False)
+    self.opt.load_state_dict(trainer['optimizer'])
+    self.scheduler.load_state_dict(trainer['scheduler'])
+    torch.set_rng_state(trainer['rng']['torch'])
+    random.setstate(trainer['rng']['python'])
+    state = json.loads((path / 'state.json').read_text())
     self.step, self.version = state['step'], state['version']
     return state['extra']

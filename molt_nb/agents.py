@@ -20,108 +20,148 @@ from .core import Segment, Trajectory, Result, SamplingParams
 @dataclass
 class Turn:
     "One model turn, as an environment's `step` sees it"
-    text:str # the sampled text, special tokens removed
-    token_ids:Tensor # (n,) the sampled ids, exactly as the engine returned them
-    finish_reason:str # 'stop', 'length' or 'abort'
-    index:int # 0 for the first turn
-    messages:list # the conversation so far, this turn's assistant message last
-    task:dict # the task the episode was reset on
+
+    text: str  # the sampled text, special tokens removed
+    token_ids: Tensor  # (n,) the sampled ids, exactly as the engine returned them
+    finish_reason: str  # 'stop', 'length' or 'abort'
+    index: int  # 0 for the first turn
+    messages: list  # the conversation so far, this turn's assistant message last
+    task: dict  # the task the episode was reset on
+
 
 class Env:
     "An environment for one episode: `reset(task)` then `step(turn)` until a Result is terminated or truncated"
-    async def reset(self, task:dict) -> list|str:
+
+    async def reset(self, task: dict) -> list | str:
         "The opening messages (a list of chat messages, or a string sent as one user message)"
         raise NotImplementedError
-    async def step(self, turn:Turn) -> Result:
+
+    async def step(self, turn: Turn) -> Result:
         "Score the model's turn; `Result.observation` is the environment's answer when the episode goes on"
         raise NotImplementedError
 
 # %% ../nbs/05_agents.ipynb #d9409e46
 _ESC = '\U0010fffd'  # private use: starts the mark of a special-token string that is text (it came from a message)
 
+
 @dataclass
 class _Specials:
     "A tokenizer's special (control) tokens, and how to keep their strings text"
-    ids:dict # {special token string: id}
-    strings:list # the special token strings, longest first; string i is marked _ESC + chr(0x100000 + i)
-    find:Any # regex matching any special token string
-    markable:Any # regex matching any special token string or _ESC (which is marked by doubling it)
-    texts:Any # (chunks: list of str) -> their id lists, special token strings encoded as text
+
+    ids: dict  # {special token string: id}
+    strings: list  # the special token strings, longest first; string i is marked _ESC + chr(0x100000 + i)
+    find: Any  # regex matching any special token string
+    markable: Any  # regex matching any special token string or _ESC (which is marked by doubling it)
+    texts: Any  # (chunks: list of str) -> their id lists, special token strings encoded as text
+
 
 _SPECIALS = weakref.WeakKeyDictionary()
 
+
 def _specials_of(tokenizer) -> _Specials:
-    if (sp := _SPECIALS.get(tokenizer)) is not None: return sp
+    if (sp := _SPECIALS.get(tokenizer)) is not None:
+        return sp
     backend = getattr(tokenizer, 'backend_tokenizer', None)
-    if backend is None: ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
-    else: ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    if backend is None:
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    else:
+        ids = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     strings = sorted(ids, key=len, reverse=True)
     if backend is not None:
         backend = copy.deepcopy(backend)  # a private copy: toggling the shared one's flag races with other threads
         backend.encode_special_tokens = True
         texts = lambda chunks: [e.ids for e in backend.encode_batch(chunks, add_special_tokens=False)]
-    else: texts = lambda chunks: [tokenizer.encode(c, add_special_tokens=False, split_special_tokens=True) for c in chunks]
+    else:
+        texts = lambda chunks: [
+            tokenizer.encode(c, add_special_tokens=False, split_special_tokens=True) for c in chunks
+        ]
     find = re.compile('|'.join(map(re.escape, strings)) or '(?!)')
-    sp = _SPECIALS[tokenizer] = _Specials(ids, strings, find, re.compile('|'.join(map(re.escape, [*strings, _ESC]))), texts)
+    sp = _SPECIALS[tokenizer] = _Specials(
+        ids, strings, find, re.compile('|'.join(map(re.escape, [*strings, _ESC]))), texts
+    )
     return sp
 
-def _marked(obj, sp:_Specials):
+
+def _marked(obj, sp: _Specials):
     "`obj` (strings, lists, dicts) with each special-token string inside marked as text"
     if isinstance(obj, str):
-        if _ESC not in obj and not sp.find.search(obj): return obj
-        return sp.markable.sub(lambda m: _ESC * 2 if m[0] == _ESC else _ESC + chr(0x100000 + sp.strings.index(m[0])), obj)
-    if isinstance(obj, dict): return {_marked(k, sp): _marked(v, sp) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return [_marked(v, sp) for v in obj]
+        if _ESC not in obj and not sp.find.search(obj):
+            return obj
+        return sp.markable.sub(
+            lambda m: _ESC * 2 if m[0] == _ESC else _ESC + chr(0x100000 + sp.strings.index(m[0])), obj
+        )
+    if isinstance(obj, dict):
+        return {_marked(k, sp): _marked(v, sp) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_marked(v, sp) for v in obj]
     return obj
 
-def _unmarked(text:str, sp:_Specials) -> str:
+
+def _unmarked(text: str, sp: _Specials) -> str:
     def back(m):
-        if m[1] == _ESC: return _ESC
+        if m[1] == _ESC:
+            return _ESC
         i = ord(m[1]) - 0x100000
         return sp.strings[i] if 0 <= i < len(sp.strings) else m[0]
+
     return re.sub(f'{_ESC}(.)', back, text, flags=re.S)
+
 
 def literal(tokenizer, obj):
     "`obj` (a string, or messages and tools) with its special-token strings marked, so that `encode` keeps them text"
     return _marked(obj, _specials_of(tokenizer))
 
-def render(tokenizer, messages:list, generation_prompt:bool, tools:list|None=None) -> str:
+
+def render(tokenizer, messages: list, generation_prompt: bool, tools: list | None = None) -> str:
     "The chat template's text for `messages`; special-token strings inside messages and tools are marked as text"
     sp = _specials_of(tokenizer)
-    return tokenizer.apply_chat_template(_marked(messages, sp), tools=_marked(tools, sp), add_generation_prompt=generation_prompt, tokenize=False)
+    return tokenizer.apply_chat_template(
+        _marked(messages, sp), tools=_marked(tools, sp), add_generation_prompt=generation_prompt, tokenize=False
+    )
 
-def encode(tokenizer, text:str) -> list:
+
+def encode(tokenizer, text: str) -> list:
     "Token ids of `text`: special-token markup is the control token unless `render`/`literal` marked it text; nothing added"
-    if _ESC not in text: return tokenizer.encode(text, add_special_tokens=False)
+    if _ESC not in text:
+        return tokenizer.encode(text, add_special_tokens=False)
     sp = _specials_of(tokenizer)
     chunks = [_unmarked(c, sp) for c in sp.find.split(text)]
     specials = [sp.ids[m[0]] for m in sp.find.finditer(text)] + [None]
     out = []
-    for ids, special in zip(sp.texts(chunks), specials): out += ids if special is None else ids + [special]
+    for ids, special in zip(sp.texts(chunks), specials):
+        out += ids if special is None else ids + [special]
     return out
 
-def turn_glue(tokenizer, messages:list, # the conversation the turn was sampled after
-              text:str, # the turn's text, special tokens removed
-              sampled:str, # the turn's text with special tokens, as sampled
-              new:list, # the environment's messages that follow the turn
-              tools:list|None=None,
-              assistant:dict|None=None, # the turn as a message, e.g. with parsed tool_calls (default: its text as content)
-             ) -> str|None:
+
+def turn_glue(
+    tokenizer,
+    messages: list,  # the conversation the turn was sampled after
+    text: str,  # the turn's text, special tokens removed
+    sampled: str,  # the turn's text with special tokens, as sampled
+    new: list,  # the environment's messages that follow the turn
+    tools: list | None = None,
+    assistant: dict | None = None,  # the turn as a message, e.g. with parsed tool_calls (default: its text as content)
+) -> str | None:
     "Template text between the sampled tokens and the next generation prompt; None if the template rewrote history"
     # a turn that wrote a special-token string as text renders marked, not as sampled: re-render it in a new segment
-    if literal(tokenizer, text) != text: return None
+    if literal(tokenizer, text) != text:
+        return None
     asst = assistant or dict(role='assistant', content=text)
     before, after = render(tokenizer, messages, True, tools), render(tokenizer, messages + [asst], False, tools)
     nxt = render(tokenizer, messages + [asst] + new, True, tools)
-    if not (after.startswith(before) and nxt.startswith(after)): return None
-    closing = after[len(before):]
-    if closing.startswith(sampled): return closing[len(sampled):] + nxt[len(after):]  # stopped on its end token, or cut
-    if not closing.startswith(text): return None
+    if not (after.startswith(before) and nxt.startswith(after)):
+        return None
+    closing = after[len(before) :]
+    if closing.startswith(sampled):
+        return closing[len(sampled) :] + nxt[len(after) :]  # stopped on its end token, or cut
+    if not closing.startswith(text):
+        return None
     # special tokens inside the turn are not in the rendered content: what the turn sampled of the closing is at most
     # one whole special token at its end (its end token), never a piece of one
-    rest = closing[len(text):]
+    rest = closing[len(text) :]
     ended = next((t for t in _specials(tokenizer) if rest.startswith(t) and sampled.endswith(t)), '')
-    return rest[len(ended):] + nxt[len(after):]
+    return rest[len(ended) :] + nxt[len(after) :]
+
 
 def _specials(tokenizer) -> list:
     "The tokenizer's special and added token strings, longest first"
@@ -130,192 +170,325 @@ def _specials(tokenizer) -> list:
 # %% ../nbs/05_agents.ipynb #c8be6198
 class StepEnvRunner:
     "Runs an `Env` against an engine turn by turn over the exact accumulated tokens"
-    def __init__(self, env_factory, # () -> Env, a fresh environment per rollout
-                 tokenizer, # the policy's tokenizer (its chat template renders every turn)
-                 max_turns:int=1, # most model turns per rollout
-                 max_context:int=2048, # most tokens in one segment (prompt, turns and observations)
-                 observation_role:str='user', # role of the environment's answer: 'user' or 'tool'
-                 tools:list|None=None, # tool schemas rendered by the chat template
-                 template:bool=True, # False: completion style, the prompt and observations are raw text (no chat template)
-                ):
-        if max_turns < 1: raise ValueError(f"StepEnvRunner.max_turns is {max_turns}: allow at least one model turn")
-        if max_context < 2: raise ValueError(f"StepEnvRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token")
-        if observation_role not in ('user', 'tool'): raise ValueError(f"StepEnvRunner.observation_role is {observation_role!r}, expected 'user' or 'tool'")
-        self.env_factory, self.tokenizer, self.max_turns, self.max_context = env_factory, tokenizer, max_turns, max_context
+
+    def __init__(
+        self,
+        env_factory,  # () -> Env, a fresh environment per rollout
+        tokenizer,  # the policy's tokenizer (its chat template renders every turn)
+        max_turns: int = 1,  # most model turns per rollout
+        max_context: int = 2048,  # most tokens in one segment (prompt, turns and observations)
+        observation_role: str = 'user',  # role of the environment's answer: 'user' or 'tool'
+        tools: list | None = None,  # tool schemas rendered by the chat template
+        template: bool = True,  # False: completion style, the prompt and observations are raw text (no chat template)
+    ):
+        if max_turns < 1:
+            raise ValueError(f"StepEnvRunner.max_turns is {max_turns}: allow at least one model turn")
+        if max_context < 2:
+            raise ValueError(
+                f"StepEnvRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token"
+            )
+        if observation_role not in ('user', 'tool'):
+            raise ValueError(f"StepEnvRunner.observation_role is {observation_role!r}, expected 'user' or 'tool'")
+        self.env_factory, self.tokenizer, self.max_turns, self.max_context = (
+            env_factory,
+            tokenizer,
+            max_turns,
+            max_context,
+        )
         self.observation_role, self.tools, self.template = observation_role, tools, template
 
 # %% ../nbs/05_agents.ipynb #21cde71c
-def absorb(seg:Segment, gen) -> Segment:
+def absorb(seg: Segment, gen) -> Segment:
     "`seg` extended by an engine `Generation`: sampled ids, logprobs, versions and routes"
     routes = gen.routes
     if routes is not None:
-        known = seg.routes if seg.routes is not None else torch.full_like(routes[:len(seg)], -1)
-        seg = Segment(seg.token_ids, seg.action_mask, seg.logprobs, seg.versions, torch.where(known >= 0, known, routes[:len(seg)]), seg.images, seg.vocab_size)
-        routes = routes[gen.prompt_len:]
+        known = seg.routes if seg.routes is not None else torch.full_like(routes[: len(seg)], -1)
+        seg = Segment(
+            seg.token_ids,
+            seg.action_mask,
+            seg.logprobs,
+            seg.versions,
+            torch.where(known >= 0, known, routes[: len(seg)]),
+            seg.images,
+            seg.vocab_size,
+        )
+        routes = routes[gen.prompt_len :]
     return seg.extend(gen.token_ids, gen.logprobs, gen.versions, routes)
+
 
 class RolloutAborted(RuntimeError):
     "The engine aborted the request (a pause that dropped requests in flight)"
 
 # %% ../nbs/05_agents.ipynb #87166cc5
-def _shown(value) -> str: return f"a {type(value).__name__} ({reprlib.repr(value)})"
+def _shown(value) -> str:
+    return f"a {type(value).__name__} ({reprlib.repr(value)})"
 
-async def _env_call(env, method:str, *args):
+
+async def _env_call(env, method: str, *args):
     "`await env.method(*args)`; a TypeError naming the method when it is not a coroutine"
     out = getattr(env, method)(*args)
-    if not inspect.isawaitable(out): raise TypeError(f"{type(env).__name__}.{method} returned {_shown(out)} without being awaited: define it with `async def {method}(self, ...)`")
+    if not inspect.isawaitable(out):
+        raise TypeError(
+            f"{type(env).__name__}.{method} returned {_shown(out)} without being awaited: define it with `async def {method}(self, ...)`"
+        )
     return await out
 
+
 @patch
-def _opening(self:StepEnvRunner, opening, env:str='Env') -> tuple:
+def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
     "The first messages of an episode and their prompt segment; `env` names the environment in errors"
-    if not self.template and not isinstance(opening, str): raise TypeError(f"{env}.reset returned {_shown(opening)}; a completion-style runner (template=False) needs the prompt as a string: return the prompt text, e.g. task['prompt']")
-    if not (isinstance(opening, str) or isinstance(opening, (list, tuple)) and all(isinstance(m, dict) and 'role' in m for m in opening)):
-        raise TypeError(f"{env}.reset returned {_shown(opening)}, expected a prompt string or the opening chat messages (a list of dicts with 'role' and 'content')")
+    if not self.template and not isinstance(opening, str):
+        raise TypeError(
+            f"{env}.reset returned {_shown(opening)}; a completion-style runner (template=False) needs the prompt as a string: return the prompt text, e.g. task['prompt']"
+        )
+    if not (
+        isinstance(opening, str)
+        or isinstance(opening, (list, tuple))
+        and all(isinstance(m, dict) and 'role' in m for m in opening)
+    ):
+        raise TypeError(
+            f"{env}.reset returned {_shown(opening)}, expected a prompt string or the opening chat messages (a list of dicts with 'role' and 'content')"
+        )
     messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
-    if not messages: raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
+    if not messages:
+        raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
     ids = encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools) if self.template else opening)
-    if len(ids) >= self.max_context: raise ValueError(f"the prompt has {len(ids)} tokens, not below StepEnvRunner.max_context={self.max_context}: raise max_context or shorten the task")
+    if len(ids) >= self.max_context:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens, not below StepEnvRunner.max_context={self.max_context}: raise max_context or shorten the task"
+        )
     return messages, Segment.prompt(ids)
 
 # %% ../nbs/05_agents.ipynb #52315a87
 @patch
-async def run(self:StepEnvRunner, engine, # an `Engine` (or a router over engines)
-              task:dict, # what `Env.reset` receives
-              sampling:SamplingParams, # sampling of every turn (a `Result.sampling` overrides it for the next)
-              rollout_id:str, group_id:str, prompt_index:int=0) -> Trajectory:
+async def run(
+    self: StepEnvRunner,
+    engine,  # an `Engine` (or a router over engines)
+    task: dict,  # what `Env.reset` receives
+    sampling: SamplingParams,  # sampling of every turn (a `Result.sampling` overrides it for the next)
+    rollout_id: str,
+    group_id: str,
+    prompt_index: int = 0,
+) -> Trajectory:
     "Run one episode and return its trajectory"
     env = self.env_factory()
     messages, seg = self._opening(await _env_call(env, 'reset', task), type(env).__name__)
-    sealed, reward, score, info, truncated = [], 0., None, {}, False
+    sealed, reward, score, info, truncated = [], 0.0, None, {}, False
     for index in range(self.max_turns):
         room = self.max_context - len(seg)
-        if room < 1: truncated = True; break
-        gen = await engine.generate(seg.token_ids, sampling if sampling.max_tokens <= room else sampling.replace(max_tokens=room))
-        if gen.finish_reason == 'abort': raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
+        if room < 1:
+            truncated = True
+            break
+        gen = await engine.generate(
+            seg.token_ids, sampling if sampling.max_tokens <= room else sampling.replace(max_tokens=room)
+        )
+        if gen.finish_reason == 'abort':
+            raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
         seg = absorb(seg, gen)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        result = await _env_call(env, 'step', Turn(text, gen.token_ids, gen.finish_reason, index, messages + [dict(role='assistant', content=text)], task))
-        if not isinstance(result, Result): raise TypeError(f"{type(env).__name__}.step returned {_shown(result)}, expected a Result: return molt_nb.core.Result(reward=...)")
+        result = await _env_call(
+            env,
+            'step',
+            Turn(
+                text, gen.token_ids, gen.finish_reason, index, messages + [dict(role='assistant', content=text)], task
+            ),
+        )
+        if not isinstance(result, Result):
+            raise TypeError(
+                f"{type(env).__name__}.step returned {_shown(result)}, expected a Result: return molt_nb.core.Result(reward=...)"
+            )
         reward, score, info = reward + result.reward, result.score, {**info, **result.info}
-        if result.terminated or result.truncated: truncated = result.truncated; break
-        if index == self.max_turns - 1: truncated = True; break
+        if result.terminated or result.truncated:
+            truncated = result.truncated
+            break
+        if index == self.max_turns - 1:
+            truncated = True
+            break
         new = [dict(role=self.observation_role, content=result.observation)]
         sampled = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False) if self.template else text
-        if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None: truncated = True; break
+        if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None:
+            truncated = True
+            break
         messages, seg, sealed = nxt
         sampling = result.sampling or sampling
-    return Trajectory(rollout_id, group_id, prompt_index, segments=sealed + [seg], reward=reward, score=score, info=info, truncated=truncated)
+    return Trajectory(
+        rollout_id,
+        group_id,
+        prompt_index,
+        segments=sealed + [seg],
+        reward=reward,
+        score=score,
+        info=info,
+        truncated=truncated,
+    )
 
 # %% ../nbs/05_agents.ipynb #80539863
 @patch
-def _continue(self:StepEnvRunner, messages:list, text:str, sampled:str, new:list, seg:Segment, sealed:list) -> tuple:
+def _continue(
+    self: StepEnvRunner, messages: list, text: str, sampled: str, new: list, seg: Segment, sealed: list
+) -> tuple:
     "Conversation and segments after an observation (glue appended, or a new segment if history was rewritten); None if out of room"
     # completion style: the observation is the environment's text, so its special-token strings stay text
-    glue = turn_glue(self.tokenizer, messages, text, sampled, new, self.tools) if self.template else literal(self.tokenizer, new[0]['content'])
+    glue = (
+        turn_glue(self.tokenizer, messages, text, sampled, new, self.tools)
+        if self.template
+        else literal(self.tokenizer, new[0]['content'])
+    )
     messages = messages + [dict(role='assistant', content=text)] + new
-    if glue is not None: nxt, sealed = seg.extend(encode(self.tokenizer, glue)), sealed
-    else: nxt, sealed = Segment.prompt(encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools))), sealed + [seg]
+    if glue is not None:
+        nxt, sealed = seg.extend(encode(self.tokenizer, glue)), sealed
+    else:
+        nxt, sealed = (
+            Segment.prompt(encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools))),
+            sealed + [seg],
+        )
     return None if len(nxt) >= self.max_context else (messages, nxt, sealed)
 
 # %% ../nbs/05_agents.ipynb #65fc45cb
 def _module(source) -> Any:
     "Import an agent module from a .py path or a dotted module name (a module already imported is returned as is)"
-    if isinstance(source, types.ModuleType): return source
+    if isinstance(source, types.ModuleType):
+        return source
     path = Path(source)
     if path.suffix == '.py' or path.exists():
-        if not path.is_file(): raise FileNotFoundError(f"agent module {str(path)!r} does not exist: give the path of a .py file that exports AgentRunner (e.g. recipes/arith/agent.py) or an importable module name")
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"agent module {str(path)!r} does not exist: give the path of a .py file that exports AgentRunner (e.g. recipes/arith/agent.py) or an importable module name"
+            )
         name = f"molt_agent_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # so classes defined in it pickle and dataclasses resolve
-        try: spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
         except Exception as e:
             sys.modules.pop(name, None)
             raise ImportError(f"importing agent module {str(path)!r} failed: {type(e).__name__}: {e}") from e
         return module
-    try: return importlib.import_module(str(source))
-    except ImportError as e: raise ImportError(f"agent module {source!r} could not be imported ({e}): give the path of a .py file or an importable module name") from e
+    try:
+        return importlib.import_module(str(source))
+    except ImportError as e:
+        raise ImportError(
+            f"agent module {source!r} could not be imported ({e}): give the path of a .py file or an importable module name"
+        ) from e
 
 # %% ../nbs/05_agents.ipynb #7df7ee92
-def load_agent(source, # path of a .py file, a dotted module name, or a module, that exports `AgentRunner`
-               tokenizer, # the policy's tokenizer, passed to AgentRunner
-               **options, # the recipe's agent options, passed to AgentRunner
-              ):
+def load_agent(
+    source,  # path of a .py file, a dotted module name, or a module, that exports `AgentRunner`
+    tokenizer,  # the policy's tokenizer, passed to AgentRunner
+    **options,  # the recipe's agent options, passed to AgentRunner
+):
     "The agent runner a module's `AgentRunner` builds, checked before use"
     module = _module(source)
     factory = getattr(module, 'AgentRunner', None)
     if factory is None:
         names = sorted(n for n in vars(module) if not n.startswith('_'))
-        raise AttributeError(f"agent module {str(source)!r} does not export AgentRunner (it defines {names}): add `AgentRunner = ...`, a class or factory taking (tokenizer, **options)")
-    if not callable(factory): raise TypeError(f"AgentRunner in {str(source)!r} is a {type(factory).__name__}, expected a class or factory taking (tokenizer, **options)")
-    try: runner = factory(tokenizer, **options)
-    except TypeError as e: raise TypeError(f"AgentRunner in {str(source)!r} rejected its arguments (tokenizer, **{sorted(options)}): {e}") from e
-    if not inspect.iscoroutinefunction(getattr(runner, 'run', None)): raise TypeError(f"AgentRunner in {str(source)!r} built a {type(runner).__name__} without an async run(engine, task, sampling, rollout_id, group_id, prompt_index) method")
+        raise AttributeError(
+            f"agent module {str(source)!r} does not export AgentRunner (it defines {names}): add `AgentRunner = ...`, a class or factory taking (tokenizer, **options)"
+        )
+    if not callable(factory):
+        raise TypeError(
+            f"AgentRunner in {str(source)!r} is a {type(factory).__name__}, expected a class or factory taking (tokenizer, **options)"
+        )
+    try:
+        runner = factory(tokenizer, **options)
+    except TypeError as e:
+        raise TypeError(
+            f"AgentRunner in {str(source)!r} rejected its arguments (tokenizer, **{sorted(options)}): {e}"
+        ) from e
+    if not inspect.iscoroutinefunction(getattr(runner, 'run', None)):
+        raise TypeError(
+            f"AgentRunner in {str(source)!r} built a {type(runner).__name__} without an async run(engine, task, sampling, rollout_id, group_id, prompt_index) method"
+        )
     return runner
 
 # %% ../nbs/05_agents.ipynb #d4dbd9c0
 @dataclass
 class ChatContext:
     "What a `ChatAgent` gets for one rollout: where the policy is served, the task, the sampling and a judge"
-    base_url:str # the session's OpenAI base URL: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-    session_url:str # the session's Anthropic base URL: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
-    api_key:str # the run's bearer token
-    model_name:str # the model name to request
-    session_id:str # the session's id (in both URLs)
-    task:dict # the task of this rollout
-    sampling:SamplingParams # the rollout's sampling; the server applies it (a request may lower max_tokens)
-    judge:Any # `await ctx.judge(prompt or messages, max_tokens=64)`: text from the same engines, never trained on
+
+    base_url: str  # the session's OpenAI base URL: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    session_url: str  # the session's Anthropic base URL: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
+    api_key: str  # the run's bearer token
+    model_name: str  # the model name to request
+    session_id: str  # the session's id (in both URLs)
+    task: dict  # the task of this rollout
+    sampling: SamplingParams  # the rollout's sampling; the server applies it (a request may lower max_tokens)
+    judge: Any  # `await ctx.judge(prompt or messages, max_tokens=64)`: text from the same engines, never trained on
 
     @property
-    def prompt(self): return self.task.get('prompt')
+    def prompt(self):
+        return self.task.get('prompt')
+
     @property
-    def label(self): return self.task.get('label')
+    def label(self):
+        return self.task.get('label')
+
     @property
     def messages(self) -> list:
         "The task's opening messages: its prompt as one user message, or its prompt's messages"
         return [dict(role='user', content=self.prompt)] if isinstance(self.prompt, str) else list(self.prompt or [])
 
+
 class ChatAgent:
     "An agent that owns its loop and calls the policy through an OpenAI or Anthropic client at `ctx`'s URL"
-    async def run(self, ctx:ChatContext) -> Result:
+
+    async def run(self, ctx: ChatContext) -> Result:
         "Play one rollout; the Result's reward scores every segment the session recorded"
         raise NotImplementedError
 
 # %% ../nbs/05_agents.ipynb #71901550
 class Judge:
     "Text from the rollout's engine for rewards (LLM-as-judge); recorded nowhere, trained on never"
-    def __init__(self, engine, tokenizer, sampling:SamplingParams, max_context:int):
-        self.engine = getattr(engine, 'unrecorded', engine)  # past the pool's Recorder: what the judge samples is never trained on
+
+    def __init__(self, engine, tokenizer, sampling: SamplingParams, max_context: int):
+        self.engine = getattr(
+            engine, 'unrecorded', engine
+        )  # past the pool's Recorder: what the judge samples is never trained on
         self.tokenizer, self.sampling, self.max_context = tokenizer, sampling, max_context
 
-    async def __call__(self, prompt:str|list, # a user message, or chat messages
-                       max_tokens:int=64, temperature:float=0.0) -> str:
+    async def __call__(
+        self,
+        prompt: str | list,  # a user message, or chat messages
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+    ) -> str:
         messages = [dict(role='user', content=prompt)] if isinstance(prompt, str) else prompt
         ids = encode(self.tokenizer, render(self.tokenizer, messages, True))
         room = self.max_context - len(ids)
-        if room < 1: raise ValueError(f"the judge prompt is {len(ids)} tokens, the context holds {self.max_context}: shorten it")
-        gen = await self.engine.generate(ids, self.sampling.replace(max_tokens=min(max_tokens, room), temperature=temperature, top_p=1.0, top_k=-1))
-        if gen.finish_reason == 'abort': raise RolloutAborted("the engine aborted the judge's request")
+        if room < 1:
+            raise ValueError(f"the judge prompt is {len(ids)} tokens, the context holds {self.max_context}: shorten it")
+        gen = await self.engine.generate(
+            ids, self.sampling.replace(max_tokens=min(max_tokens, room), temperature=temperature, top_p=1.0, top_k=-1)
+        )
+        if gen.finish_reason == 'abort':
+            raise RolloutAborted("the engine aborted the judge's request")
         return self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
 
 # %% ../nbs/05_agents.ipynb #f3a7b794
 class ChatAgentRunner:
     "Runs a `ChatAgent` per rollout against the runner's chat server; the session's segments become the trajectory"
-    def __init__(self, agent_factory, # () -> ChatAgent, a fresh agent per rollout
-                 tokenizer, # the policy's tokenizer (its chat template renders every conversation)
-                 max_context:int=2048, # most tokens in one segment (also capped by the engine's context)
-                 host:str='127.0.0.1', # where the server binds: loopback unless configured otherwise
-                 token:str|None=None, # the server's bearer token (default: a fresh random one per server)
-                 model_name:str='policy', # the model name agents request
-                ):
-        if max_context < 2: raise ValueError(f"ChatAgentRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token")
+
+    def __init__(
+        self,
+        agent_factory,  # () -> ChatAgent, a fresh agent per rollout
+        tokenizer,  # the policy's tokenizer (its chat template renders every conversation)
+        max_context: int = 2048,  # most tokens in one segment (also capped by the engine's context)
+        host: str = '127.0.0.1',  # where the server binds: loopback unless configured otherwise
+        token: str | None = None,  # the server's bearer token (default: a fresh random one per server)
+        model_name: str = 'policy',  # the model name agents request
+    ):
+        if max_context < 2:
+            raise ValueError(
+                f"ChatAgentRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token"
+            )
         self.agent_factory, self.tokenizer, self.max_context = agent_factory, tokenizer, max_context
         self.server_options, self._start = dict(host=host, token=token, model_name=model_name), None
 
     async def server(self):
         "The runner's chat server on the running loop (started once per loop)"
         from molt_nb.chat_server import ChatServer  # imported here: the server's dependencies load only for chat agents
+
         loop = asyncio.get_running_loop()
         if self._start is None or self._start[0] is not loop:
             self._start = (loop, asyncio.ensure_future(ChatServer(self.tokenizer, **self.server_options).start()))
@@ -323,20 +496,54 @@ class ChatAgentRunner:
 
 # %% ../nbs/05_agents.ipynb #aff4dfd9
 @patch
-async def run(self:ChatAgentRunner, engine, task:dict, sampling:SamplingParams, rollout_id:str, group_id:str, prompt_index:int=0) -> Trajectory:
+async def run(
+    self: ChatAgentRunner,
+    engine,
+    task: dict,
+    sampling: SamplingParams,
+    rollout_id: str,
+    group_id: str,
+    prompt_index: int = 0,
+) -> Trajectory:
     "Run one rollout of a fresh agent and return its trajectory"
     server = await self.server()
     limit = min(self.max_context, getattr(engine, 'max_model_len', None) or self.max_context)
     s = server.open(engine, sampling, limit)
-    ctx = ChatContext(server.base_url(s.id), server.session_url(s.id), server.token, server.model_name, s.id, task, sampling,
-                      Judge(engine, self.tokenizer, sampling, limit))
-    try: result = await self.agent_factory().run(ctx)
+    ctx = ChatContext(
+        server.base_url(s.id),
+        server.session_url(s.id),
+        server.token,
+        server.model_name,
+        s.id,
+        task,
+        sampling,
+        Judge(engine, self.tokenizer, sampling, limit),
+    )
+    try:
+        result = await self.agent_factory().run(ctx)
     except Exception:
-        if s.aborted: raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted a turn") from None
+        if s.aborted:
+            raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted a turn") from None
         raise
-    finally: server.close(s.id)
-    if s.aborted: raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted a turn")
-    if not isinstance(result, Result): raise TypeError(f"the ChatAgent returned a {type(result).__name__}, expected a Result: return Result(reward=...)")
-    if not s.segments: raise ValueError(f"rollout {rollout_id!r}: the agent returned without calling the model at {ctx.base_url}, so there is nothing to train on")
-    return Trajectory(rollout_id, group_id, prompt_index, segments=s.segments, reward=result.reward, score=result.score, info=result.info,
-                      truncated=result.truncated or s.reply.finish == 'length')
+    finally:
+        server.close(s.id)
+    if s.aborted:
+        raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted a turn")
+    if not isinstance(result, Result):
+        raise TypeError(
+            f"the ChatAgent returned a {type(result).__name__}, expected a Result: return Result(reward=...)"
+        )
+    if not s.segments:
+        raise ValueError(
+            f"rollout {rollout_id!r}: the agent returned without calling the model at {ctx.base_url}, so there is nothing to train on"
+        )
+    return Trajectory(
+        rollout_id,
+        group_id,
+        prompt_index,
+        segments=s.segments,
+        reward=result.reward,
+        score=result.score,
+        info=result.info,
+        truncated=result.truncated or s.reply.finish == 'length',
+    )

@@ -24,136 +24,233 @@ from .agents import render, encode, turn_glue, absorb
 # %% ../nbs/06_chat_server.ipynb #104ba11f
 class ChatError(Exception):
     "A refused request: HTTP status, error type, a message that says what to do, and OpenAI's param and code"
-    def __init__(self, status:int, kind:str, message:str, param:str|None=None, code:str|None=None):
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.message, self.param, self.code = status, kind, message, param, code
 
-def openai_error(e:ChatError) -> dict: return dict(error=dict(message=e.message, type=e.kind, param=e.param, code=e.code))
-def anthropic_error(e:ChatError) -> dict: return dict(type='error', error=dict(type=e.kind, message=e.message))
+
+def openai_error(e: ChatError) -> dict:
+    return dict(error=dict(message=e.message, type=e.kind, param=e.param, code=e.code))
+
+
+def anthropic_error(e: ChatError) -> dict:
+    return dict(type='error', error=dict(type=e.kind, message=e.message))
+
 
 _WORK = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix='molt-chat')
+
 
 async def _off_loop(fn, *args):
     """`fn(*args)` on the server's small worker pool: parsing and tokenising big requests leave the event loop free, and a
     few workers (not Python's default of up to 32) keep the loop's share of the GIL when many arrive at once"""
     return await asyncio.get_running_loop().run_in_executor(_WORK, functools.partial(fn, *args))
 
-def _bad(message:str, param:str|None=None, code:str|None=None) -> ChatError: return ChatError(400, 'invalid_request_error', message, param, code)
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ChatError:
+    return ChatError(400, 'invalid_request_error', message, param, code)
 
 # %% ../nbs/06_chat_server.ipynb #ce62b207
-def _text(content, where:str) -> str:
+def _text(content, where: str) -> str:
     "The text of a message's content: a string, or a list of text parts (OpenAI) or text blocks (Anthropic)"
-    if content is None: return ''
-    if isinstance(content, str): return content
-    if not isinstance(content, list): raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of text parts", where)
+    if content is None:
+        return ''
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of text parts", where)
     out = []
     for i, p in enumerate(content):
         if not (isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str)):
             kind = p.get('type') if isinstance(p, dict) else type(p).__name__
-            raise _bad(f"{where}[{i}] is a {kind!r} part: this server's model reads text only; send text parts", f"{where}[{i}]")
+            raise _bad(
+                f"{where}[{i}] is a {kind!r} part: this server's model reads text only; send text parts",
+                f"{where}[{i}]",
+            )
         out.append(p['text'])
     return ''.join(out)
 
-def _call(name, arguments, id:str, where:str) -> dict:
+
+def _call(name, arguments, id: str, where: str) -> dict:
     "A canonical tool call; arguments must be a JSON object (given as a dict or a JSON string)"
-    if not isinstance(name, str) or not name: raise _bad(f"{where}.name is {name!r}: a tool call needs the tool's name", where)
-    if not isinstance(arguments, str): arguments = json.dumps(arguments, ensure_ascii=False)
-    try: parsed = json.loads(arguments)
-    except json.JSONDecodeError as e: raise _bad(f"{where}.arguments is not JSON ({e.msg} at character {e.pos}): send back the arguments the model produced, a JSON object", where) from None
-    if not isinstance(parsed, dict): raise _bad(f"{where}.arguments is a JSON {type(parsed).__name__}: tool arguments are a JSON object", where)
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name is {name!r}: a tool call needs the tool's name", where)
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        raise _bad(
+            f"{where}.arguments is not JSON ({e.msg} at character {e.pos}): send back the arguments the model produced, a JSON object",
+            where,
+        ) from None
+    if not isinstance(parsed, dict):
+        raise _bad(f"{where}.arguments is a JSON {type(parsed).__name__}: tool arguments are a JSON object", where)
     return dict(id=id or '', type='function', function=dict(name=name, arguments=arguments))
+
 
 _TOOL_NAME = re.compile(r'[a-zA-Z0-9_-]{1,64}')
 
-def _tool_name(name, where:str) -> str:
+
+def _tool_name(name, where: str) -> str:
     "A declared tool's name, as OpenAI restricts it (Anthropic's rule is the same)"
     if not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
-        raise _bad(f"{where} is {repr(name)[:80]}: a tool name is 1 to 64 letters, digits, '_' or '-'; rename the tool", where)
+        raise _bad(
+            f"{where} is {repr(name)[:80]}: a tool name is 1 to 64 letters, digits, '_' or '-'; rename the tool", where
+        )
     return name
 
 # %% ../nbs/06_chat_server.ipynb #b71be31e
-def _message(role:str, content:str='', tool_calls:list|None=None, tool_call_id:str|None=None) -> dict:
+def _message(role: str, content: str = '', tool_calls: list | None = None, tool_call_id: str | None = None) -> dict:
     "A canonical message: only the fields the template reads, so equal conversations compare equal"
     m = dict(role=role, content=content)
-    if tool_calls: m['tool_calls'] = tool_calls
-    if tool_call_id is not None: m['tool_call_id'] = tool_call_id
+    if tool_calls:
+        m['tool_calls'] = tool_calls
+    if tool_call_id is not None:
+        m['tool_call_id'] = tool_call_id
     return m
 
-def from_openai(messages:list, tools:list|None) -> tuple:
+
+def from_openai(messages: list, tools: list | None) -> tuple:
     "(canonical messages, canonical tools) of an OpenAI chat request"
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict): raise _bad(f"{where} is a {type(m).__name__}: each message is an object with a role", where)
+        if not isinstance(m, dict):
+            raise _bad(f"{where} is a {type(m).__name__}: each message is an object with a role", where)
         role = m.get('role')
-        if role in ('system', 'developer'): out.append(_message('system', _text(m.get('content'), f"{where}.content")))
-        elif role == 'user': out.append(_message('user', _text(m.get('content'), f"{where}.content")))
+        if role in ('system', 'developer'):
+            out.append(_message('system', _text(m.get('content'), f"{where}.content")))
+        elif role == 'user':
+            out.append(_message('user', _text(m.get('content'), f"{where}.content")))
         elif role == 'assistant':
-            calls = [_call((c.get('function') or {}).get('name'), (c.get('function') or {}).get('arguments', '{}'), c.get('id'), f"{where}.tool_calls[{j}].function")
-                     for j, c in enumerate(m.get('tool_calls') or [])]
+            calls = [
+                _call(
+                    (c.get('function') or {}).get('name'),
+                    (c.get('function') or {}).get('arguments', '{}'),
+                    c.get('id'),
+                    f"{where}.tool_calls[{j}].function",
+                )
+                for j, c in enumerate(m.get('tool_calls') or [])
+            ]
             out.append(_message('assistant', _text(m.get('content'), f"{where}.content"), calls))
-        elif role == 'tool': out.append(_message('tool', _text(m.get('content'), f"{where}.content"), tool_call_id=m.get('tool_call_id') or ''))
-        else: raise _bad(f"{where}.role is {role!r}: expected 'system', 'developer', 'user', 'assistant' or 'tool'", f"{where}.role")
+        elif role == 'tool':
+            out.append(
+                _message('tool', _text(m.get('content'), f"{where}.content"), tool_call_id=m.get('tool_call_id') or '')
+            )
+        else:
+            raise _bad(
+                f"{where}.role is {role!r}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
+                f"{where}.role",
+            )
     return out, _openai_tools(tools)
 
-def _openai_tools(tools:list|None) -> list|None:
-    if not tools: return None
+
+def _openai_tools(tools: list | None) -> list | None:
+    if not tools:
+        return None
     for i, t in enumerate(tools):
         if not (isinstance(t, dict) and t.get('type') == 'function' and isinstance(t.get('function'), dict)):
-            raise _bad(f"tools[{i}] is not a function tool: send {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}", f"tools[{i}]")
+            raise _bad(
+                f"tools[{i}] is not a function tool: send {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                f"tools[{i}]",
+            )
         _tool_name(t['function'].get('name'), f"tools[{i}].function.name")
     return [dict(type='function', function=t['function']) for t in tools]
 
 # %% ../nbs/06_chat_server.ipynb #e2e563e3
-def _anthropic_user(content, where:str) -> list:
+def _anthropic_user(content, where: str) -> list:
     "Canonical messages of an Anthropic user message: tool results as tool messages, text runs as user messages"
-    if isinstance(content, str): return [_message('user', content)]
-    if not isinstance(content, list): raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of blocks", where)
+    if isinstance(content, str):
+        return [_message('user', content)]
+    if not isinstance(content, list):
+        raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of blocks", where)
     out, text = [], []
     for j, b in enumerate(content):
         kind = b.get('type') if isinstance(b, dict) else None
-        if kind == 'text': text.append(_text([b], f"{where}[{j}]")); continue
-        if kind != 'tool_result': raise _bad(f"{where}[{j}] is a {kind!r} block: user messages hold 'text' and 'tool_result' blocks (the model reads text only)", f"{where}[{j}]")
-        if text: out.append(_message('user', ''.join(text))); text = []
-        out.append(_message('tool', _text(b.get('content'), f"{where}[{j}].content"), tool_call_id=b.get('tool_use_id') or ''))
-    if text: out.append(_message('user', ''.join(text)))
+        if kind == 'text':
+            text.append(_text([b], f"{where}[{j}]"))
+            continue
+        if kind != 'tool_result':
+            raise _bad(
+                f"{where}[{j}] is a {kind!r} block: user messages hold 'text' and 'tool_result' blocks (the model reads text only)",
+                f"{where}[{j}]",
+            )
+        if text:
+            out.append(_message('user', ''.join(text)))
+            text = []
+        out.append(
+            _message('tool', _text(b.get('content'), f"{where}[{j}].content"), tool_call_id=b.get('tool_use_id') or '')
+        )
+    if text:
+        out.append(_message('user', ''.join(text)))
     return out
 
-def _anthropic_assistant(content, where:str) -> dict:
-    if isinstance(content, str): return _message('assistant', content)
-    if not isinstance(content, list): raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of blocks", where)
+
+def _anthropic_assistant(content, where: str) -> dict:
+    if isinstance(content, str):
+        return _message('assistant', content)
+    if not isinstance(content, list):
+        raise _bad(f"{where} is a {type(content).__name__}: send a string or a list of blocks", where)
     text, calls = [], []
     for j, b in enumerate(content):
         kind = b.get('type') if isinstance(b, dict) else None
-        if kind == 'text': text.append(_text([b], f"{where}[{j}]"))
+        if kind == 'text':
+            text.append(_text([b], f"{where}[{j}]"))
         elif kind == 'tool_use':
-            if not isinstance(b.get('input'), dict): raise _bad(f"{where}[{j}].input is a {type(b.get('input')).__name__}: tool_use input is a JSON object", f"{where}[{j}].input")
+            if not isinstance(b.get('input'), dict):
+                raise _bad(
+                    f"{where}[{j}].input is a {type(b.get('input')).__name__}: tool_use input is a JSON object",
+                    f"{where}[{j}].input",
+                )
             calls.append(_call(b.get('name'), b['input'], b.get('id'), f"{where}[{j}]"))
-        else: raise _bad(f"{where}[{j}] is a {kind!r} block: assistant messages hold 'text' and 'tool_use' blocks", f"{where}[{j}]")
+        else:
+            raise _bad(
+                f"{where}[{j}] is a {kind!r} block: assistant messages hold 'text' and 'tool_use' blocks",
+                f"{where}[{j}]",
+            )
     return _message('assistant', ''.join(text), calls)
 
 # %% ../nbs/06_chat_server.ipynb #ef87f848
-def from_anthropic(system, messages:list, tools:list|None) -> tuple:
+def from_anthropic(system, messages: list, tools: list | None) -> tuple:
     "(canonical messages, canonical tools) of an Anthropic messages request"
     out = [_message('system', _text(system, 'system'))] if system else []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict): raise _bad(f"{where} is a {type(m).__name__}: each message is an object with a role", where)
-        if m.get('role') == 'user': out += _anthropic_user(m.get('content'), f"{where}.content")
-        elif m.get('role') == 'assistant': out.append(_anthropic_assistant(m.get('content'), f"{where}.content"))
-        else: raise _bad(f"{where}.role is {m.get('role')!r}: Anthropic messages are 'user' or 'assistant' (the system prompt goes in 'system')", f"{where}.role")
-    if not tools: return out, None
+        if not isinstance(m, dict):
+            raise _bad(f"{where} is a {type(m).__name__}: each message is an object with a role", where)
+        if m.get('role') == 'user':
+            out += _anthropic_user(m.get('content'), f"{where}.content")
+        elif m.get('role') == 'assistant':
+            out.append(_anthropic_assistant(m.get('content'), f"{where}.content"))
+        else:
+            raise _bad(
+                f"{where}.role is {m.get('role')!r}: Anthropic messages are 'user' or 'assistant' (the system prompt goes in 'system')",
+                f"{where}.role",
+            )
+    if not tools:
+        return out, None
     for i, t in enumerate(tools):
         if not (isinstance(t, dict) and isinstance(t.get('input_schema'), dict)):
-            raise _bad(f"tools[{i}] is not a custom tool: send {{'name': ..., 'description': ..., 'input_schema': {{...}}}} (server tools are not served here)", f"tools[{i}]")
+            raise _bad(
+                f"tools[{i}] is not a custom tool: send {{'name': ..., 'description': ..., 'input_schema': {{...}}}} (server tools are not served here)",
+                f"tools[{i}]",
+            )
         _tool_name(t.get('name'), f"tools[{i}].name")
-    return out, [dict(type='function', function=dict(name=t['name'], description=t.get('description', ''), parameters=t['input_schema'])) for t in tools]
+    return out, [
+        dict(
+            type='function',
+            function=dict(name=t['name'], description=t.get('description', ''), parameters=t['input_schema']),
+        )
+        for t in tools
+    ]
 
 # %% ../nbs/06_chat_server.ipynb #8f04a645
 _CALL_DEPTH = 56  # ChatLimits.max_depth less the levels of a message around a tool call's arguments
 _TOOL_CALL = re.compile(r'<tool_call>\s*(.*?)\s*</tool_call>', re.S)
 
-def _depth(data, limit:int) -> int:
+
+def _depth(data, limit: int) -> int:
     "How deep a parsed JSON value nests (counted up to `limit + 1`), walked level by level without recursion"
     depth, level = 0, [data]
     while level and depth <= limit:
@@ -161,37 +258,55 @@ def _depth(data, limit:int) -> int:
         level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
     return depth
 
-def _not_json(name:str): raise ValueError(f"{name} is not JSON")
 
-def parse_tool_calls(text:str) -> tuple:
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_tool_calls(text: str) -> tuple:
     "(content, [{name, arguments}]) of a turn's text; no calls unless every <tool_call> block parses"
-    if '<tool_call>' not in text: return text, []
+    if '<tool_call>' not in text:
+        return text, []
     calls = []
     for m in _TOOL_CALL.finditer(text):
-        try: obj = json.loads(m.group(1), parse_constant=_not_json)  # NaN would come back in the client's echo and be refused
-        except (ValueError, RecursionError): return text, []  # bad JSON, an integer past 4300 digits, nesting past the recursion limit
-        if _depth(obj, _CALL_DEPTH) > _CALL_DEPTH: return text, []  # the client's echo of it would be refused as too deep
-        if not (isinstance(obj, dict) and isinstance(obj.get('name'), str) and isinstance(obj.get('arguments', {}), dict)): return text, []
+        try:
+            obj = json.loads(
+                m.group(1), parse_constant=_not_json
+            )  # NaN would come back in the client's echo and be refused
+        except (ValueError, RecursionError):
+            return text, []  # bad JSON, an integer past 4300 digits, nesting past the recursion limit
+        if _depth(obj, _CALL_DEPTH) > _CALL_DEPTH:
+            return text, []  # the client's echo of it would be refused as too deep
+        if not (
+            isinstance(obj, dict) and isinstance(obj.get('name'), str) and isinstance(obj.get('arguments', {}), dict)
+        ):
+            return text, []
         calls.append(dict(name=obj['name'], arguments=json.dumps(obj.get('arguments', {}), ensure_ascii=False)))
-    if len(calls) != text.count('<tool_call>'): return text, []  # an unclosed block
-    return text[:text.index('<tool_call>')].removesuffix('\n'), calls
+    if len(calls) != text.count('<tool_call>'):
+        return text, []  # an unclosed block
+    return text[: text.index('<tool_call>')].removesuffix('\n'), calls
 
 # %% ../nbs/06_chat_server.ipynb #b2c26783
 @dataclass
 class Reply:
     "One model turn as the server answers it"
-    text:str # the sampled text, special tokens removed
-    sampled:str # the sampled text with special tokens
-    content:str # the text outside tool calls
-    tool_calls:list # canonical tool calls: [{id, type, function: {name, arguments}}]
-    finish:str # 'stop', 'tool_calls' or 'length'
-    prompt_tokens:int # tokens of context the turn was sampled after
-    completion_tokens:int # tokens sampled
-    index:int # the session's turn number
-    stop_sequence:str|None=None # the request's stop string that ended the turn (None: the end-of-turn token, or a cut)
-    token_ids:list=field(default_factory=list) # the sampled ids
-    logprobs:list=field(default_factory=list) # the behaviour logprob of each sampled token
-    tokenizer:Any=field(default=None, repr=False, compare=False) # decodes `tokens`, only when a client asks for logprobs
+
+    text: str  # the sampled text, special tokens removed
+    sampled: str  # the sampled text with special tokens
+    content: str  # the text outside tool calls
+    tool_calls: list  # canonical tool calls: [{id, type, function: {name, arguments}}]
+    finish: str  # 'stop', 'tool_calls' or 'length'
+    prompt_tokens: int  # tokens of context the turn was sampled after
+    completion_tokens: int  # tokens sampled
+    index: int  # the session's turn number
+    stop_sequence: str | None = (
+        None  # the request's stop string that ended the turn (None: the end-of-turn token, or a cut)
+    )
+    token_ids: list = field(default_factory=list)  # the sampled ids
+    logprobs: list = field(default_factory=list)  # the behaviour logprob of each sampled token
+    tokenizer: Any = field(
+        default=None, repr=False, compare=False
+    )  # decodes `tokens`, only when a client asks for logprobs
 
     @property
     def tokens(self) -> list:
@@ -208,10 +323,14 @@ class Reply:
         "The content the wires return: without the stop string that ended it, as OpenAI and Anthropic do"
         return self.content.removesuffix(self.stop_sequence) if self.stop_sequence else self.content
 
-def _reply(tokenizer, gen, index:int,
-           tools:list|None=None, # the request's tools: tool calls are parsed only when it declared some
-           stops:tuple=(), # the request's stop ids
-          ) -> Reply:
+
+def _reply(
+    tokenizer,
+    gen,
+    index: int,
+    tools: list | None = None,  # the request's tools: tool calls are parsed only when it declared some
+    stops: tuple = (),  # the request's stop ids
+) -> Reply:
     "The `Reply` of an engine `Generation`"
     ids = gen.token_ids.tolist()
     text, sampled = tokenizer.decode(ids, skip_special_tokens=True), tokenizer.decode(ids, skip_special_tokens=False)
@@ -219,273 +338,475 @@ def _reply(tokenizer, gen, index:int,
     calls = [dict(id=f"call_{index}_{i}", type='function', function=c) for i, c in enumerate(calls)]
     finish = 'length' if gen.finish_reason == 'length' else 'tool_calls' if calls else 'stop'
     stop = tokenizer.decode(ids[-1:]) if gen.finish_reason == 'stop' and ids and ids[-1] in stops else None
-    return Reply(text, sampled, content, calls, finish, gen.prompt_len, len(ids), index, stop, ids, gen.logprobs.tolist(), tokenizer)
+    return Reply(
+        text,
+        sampled,
+        content,
+        calls,
+        finish,
+        gen.prompt_len,
+        len(ids),
+        index,
+        stop,
+        ids,
+        gen.logprobs.tolist(),
+        tokenizer,
+    )
 
 # %% ../nbs/06_chat_server.ipynb #176398c6
 @dataclass(eq=False)
 class Session:
     "One rollout's conversation: sealed segments, the open segment, and the last request and reply"
-    id:str # the session id in the URL
-    engine:Any # where turns are sampled (an `Engine`, or the pool's recording proxy of one)
-    sampling:SamplingParams # the rollout's sampling; its max_tokens caps every turn
-    max_context:int # most tokens in one segment
-    sealed:list=field(default_factory=list) # segments closed by a rewrite of history
-    segment:Segment|None=None # the open segment
-    messages:list|None=None # the last request's canonical conversation
-    tools:list|None=None # the last request's canonical tools
-    reply:Reply|None=None # the last turn
-    key:str|None=None # the last request, for retries
-    idempotency_key:str|None=None # the last request's Idempotency-Key header
-    turns:int=0 # turns sampled
-    aborted:bool=False # the engine aborted a turn (the rollout must restart)
-    lock:asyncio.Lock=field(default_factory=asyncio.Lock) # one turn at a time
+
+    id: str  # the session id in the URL
+    engine: Any  # where turns are sampled (an `Engine`, or the pool's recording proxy of one)
+    sampling: SamplingParams  # the rollout's sampling; its max_tokens caps every turn
+    max_context: int  # most tokens in one segment
+    sealed: list = field(default_factory=list)  # segments closed by a rewrite of history
+    segment: Segment | None = None  # the open segment
+    messages: list | None = None  # the last request's canonical conversation
+    tools: list | None = None  # the last request's canonical tools
+    reply: Reply | None = None  # the last turn
+    key: str | None = None  # the last request, for retries
+    idempotency_key: str | None = None  # the last request's Idempotency-Key header
+    turns: int = 0  # turns sampled
+    aborted: bool = False  # the engine aborted a turn (the rollout must restart)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
 
     @property
-    def segments(self) -> list: return self.sealed + ([self.segment] if self.segment is not None else [])
+    def segments(self) -> list:
+        return self.sealed + ([self.segment] if self.segment is not None else [])
 
 # %% ../nbs/06_chat_server.ipynb #6030b66e
-def _extends(s:Session, messages:list, tools) -> bool:
+def _extends(s: Session, messages: list, tools) -> bool:
     "The request is the last one, then an assistant message (the client's echo of our reply), then new messages"
     n = len(s.messages or [])
-    return (s.segment is not None and tools == s.tools and len(messages) > n and messages[:n] == s.messages
-            and messages[n]['role'] == 'assistant')
+    return (
+        s.segment is not None
+        and tools == s.tools
+        and len(messages) > n
+        and messages[:n] == s.messages
+        and messages[n]['role'] == 'assistant'
+    )
 
-def _context(s:Session, tokenizer, messages:list, tools) -> tuple:
+
+def _context(s: Session, tokenizer, messages: list, tools) -> tuple:
     "(sealed segments, segment to sample after): the open segment plus the template delta, or a new segment"
     if _extends(s, messages, tools):
         n, r = len(s.messages), s.reply
-        glue = turn_glue(tokenizer, s.messages, r.text, r.sampled, messages[n + 1:], tools, assistant=r.assistant)
-        if glue is not None: return s.sealed, s.segment.extend(encode(tokenizer, glue))
+        glue = turn_glue(tokenizer, s.messages, r.text, r.sampled, messages[n + 1 :], tools, assistant=r.assistant)
+        if glue is not None:
+            return s.sealed, s.segment.extend(encode(tokenizer, glue))
     return s.segments, Segment.prompt(encode(tokenizer, render(tokenizer, messages, True, tools)))
 
-def _is_retry(s:Session, key:str, headers) -> bool:
+
+def _is_retry(s: Session, key: str, headers) -> bool:
     "The request repeats the last one and the client says it is a retry (no header at all: a repeat is a retry)"
-    if key != s.key: return False
+    if key != s.key:
+        return False
     headers = headers or {}
-    if headers.get('idempotency-key') is not None: return headers['idempotency-key'] == s.idempotency_key
+    if headers.get('idempotency-key') is not None:
+        return headers['idempotency-key'] == s.idempotency_key
     return headers.get('x-stainless-retry-count', '1') != '0'  # the OpenAI and Anthropic SDKs send 0 on a first attempt
 
-def _prepare(s:Session, tokenizer, messages:list, tools, max_tokens, stop_token_ids, headers) -> tuple:
+
+def _prepare(s: Session, tokenizer, messages: list, tools, max_tokens, stop_token_ids, headers) -> tuple:
     "(request key, None for a retry or the context to sample after); runs in a worker thread"
     key = json.dumps([messages, tools, max_tokens, list(stop_token_ids)], sort_keys=True)
     return key, None if _is_retry(s, key, headers) else _context(s, tokenizer, messages, tools)
 
 # %% ../nbs/06_chat_server.ipynb #04521f8f
-async def chat_turn(s:Session, tokenizer, messages:list, tools:list|None,
-                    max_tokens:int|None=None, # the request's cap (clamped to the rollout's cap and the room left)
-                    stop_token_ids:tuple=(), # extra ids that end the turn
-                    headers=None, # the request's headers: `Idempotency-Key` and `x-stainless-retry-count` tell retries
-                    temperature:float|None=None, top_p:float|None=None, # the request's, if it set them
-                   ) -> Reply:
+async def chat_turn(
+    s: Session,
+    tokenizer,
+    messages: list,
+    tools: list | None,
+    max_tokens: int | None = None,  # the request's cap (clamped to the rollout's cap and the room left)
+    stop_token_ids: tuple = (),  # extra ids that end the turn
+    headers=None,  # the request's headers: `Idempotency-Key` and `x-stainless-retry-count` tell retries
+    temperature: float | None = None,
+    top_p: float | None = None,  # the request's, if it set them
+) -> Reply:
     "Sample the model's reply to a canonical request and record it in the session (the caller holds `s.lock`)"
-    if not messages: raise _bad("messages is empty: send at least one message", 'messages')
-    if s.aborted: raise ChatError(409, 'invalid_request_error', "this rollout was aborted (a weight update dropped its turn) and restarts: stop sending turns to it", code='rollout_aborted')
+    if not messages:
+        raise _bad("messages is empty: send at least one message", 'messages')
+    if s.aborted:
+        raise ChatError(
+            409,
+            'invalid_request_error',
+            "this rollout was aborted (a weight update dropped its turn) and restarts: stop sending turns to it",
+            code='rollout_aborted',
+        )
     for name, asked in (('temperature', temperature), ('top_p', top_p)):
         if asked is not None and asked != getattr(s.sampling, name):
-            raise _bad(f"{name} is {asked}: the rollout samples at {name}={getattr(s.sampling, name)} (the trainer scores tokens at it); omit {name}", name)
+            raise _bad(
+                f"{name} is {asked}: the rollout samples at {name}={getattr(s.sampling, name)} (the trainer scores tokens at it); omit {name}",
+                name,
+            )
     # rendering and tokenising a long conversation takes a while: off the event loop, so other sessions go on
     key, context = await _off_loop(_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
-    if context is None: return s.reply  # a retry: the same reply, nothing recorded
+    if context is None:
+        return s.reply  # a retry: the same reply, nothing recorded
     sealed, seg = context
     room = s.max_context - len(seg)
-    if room < 1: raise _bad(f"the conversation is {len(seg)} tokens and the context holds {s.max_context}: shorten or compact the conversation", 'messages', 'context_length_exceeded')
+    if room < 1:
+        raise _bad(
+            f"the conversation is {len(seg)} tokens and the context holds {s.max_context}: shorten or compact the conversation",
+            'messages',
+            'context_length_exceeded',
+        )
     cap = min(max_tokens or s.sampling.max_tokens, s.sampling.max_tokens, room)
-    sampling = s.sampling.replace(max_tokens=cap, stop_token_ids=tuple(dict.fromkeys(s.sampling.stop_token_ids + tuple(stop_token_ids))))
+    sampling = s.sampling.replace(
+        max_tokens=cap, stop_token_ids=tuple(dict.fromkeys(s.sampling.stop_token_ids + tuple(stop_token_ids)))
+    )
     gen = await s.engine.generate(seg.token_ids, sampling, session_id=s.id)
     if gen.finish_reason == 'abort':
         s.aborted = True
-        raise ChatError(503, 'overloaded_error', 'the engine aborted this turn (a weight update dropped requests in flight): the rollout restarts')
+        raise ChatError(
+            503,
+            'overloaded_error',
+            'the engine aborted this turn (a weight update dropped requests in flight): the rollout restarts',
+        )
     reply = _reply(tokenizer, gen, s.turns, tools, tuple(set(stop_token_ids) - set(s.sampling.stop_token_ids)))
-    s.sealed, s.segment, s.messages, s.tools, s.reply, s.key, s.turns = sealed, absorb(seg, gen), messages, tools, reply, key, s.turns + 1
+    s.sealed, s.segment, s.messages, s.tools, s.reply, s.key, s.turns = (
+        sealed,
+        absorb(seg, gen),
+        messages,
+        tools,
+        reply,
+        key,
+        s.turns + 1,
+    )
     s.idempotency_key = (headers or {}).get('idempotency-key')
     return reply
 
 # %% ../nbs/06_chat_server.ipynb #7cb5c59f
 class OpenAIRequest(BaseModel):
     "The fields of an OpenAI chat completion request the server reads"
+
     model_config = ConfigDict(extra='allow')
-    model:str
-    messages:list
-    tools:list|None=None
-    tool_choice:str|dict|None=None
-    stream:bool=False
-    stream_options:dict|None=None
-    max_tokens:int|None=None
-    max_completion_tokens:int|None=None
-    stop:str|list|None=None
-    n:int|None=None
-    logprobs:bool|None=None
-    temperature:float|None=None
-    top_p:float|None=None
+    model: str
+    messages: list
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
 
 class AnthropicRequest(BaseModel):
     "The fields of an Anthropic messages request the server reads"
+
     model_config = ConfigDict(extra='allow')
-    model:str
-    messages:list
-    max_tokens:int
-    system:str|list|None=None
-    tools:list|None=None
-    tool_choice:dict|None=None
-    stream:bool=False
-    stop_sequences:list|None=None
-    temperature:float|None=None
-    top_p:float|None=None
+    model: str
+    messages: list
+    max_tokens: int
+    system: str | list | None = None
+    tools: list | None = None
+    tool_choice: dict | None = None
+    stream: bool = False
+    stop_sequences: list | None = None
+    temperature: float | None = None
+    top_p: float | None = None
 
 # %% ../nbs/06_chat_server.ipynb #ef183816
-_MAX_STOPS = dict(openai=4, anthropic=8) # OpenAI's documented bound; Anthropic documents none, 8 is ours
+_MAX_STOPS = dict(openai=4, anthropic=8)  # OpenAI's documented bound; Anthropic documents none, 8 is ours
 
-def _stop_ids(tokenizer, stop, param:str, most:int) -> tuple:
+
+def _stop_ids(tokenizer, stop, param: str, most: int) -> tuple:
     "Token ids of stop strings that are single tokens; anything else is refused"
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > most: raise _bad(f"{param} has {len(stops)} strings: at most {most} are allowed; drop some", param)
+    if len(stops) > most:
+        raise _bad(f"{param} has {len(stops)} strings: at most {most} are allowed; drop some", param)
     out = []
     for s in stops:
         ids = encode(tokenizer, s) if isinstance(s, str) else []
-        if len(ids) != 1: raise _bad(f"{param} has {s!r}, which is not a single token: this server ends turns on tokens only (the end-of-turn token always stops); drop it or use a one-token marker", param)
+        if len(ids) != 1:
+            raise _bad(
+                f"{param} has {s!r}, which is not a single token: this server ends turns on tokens only (the end-of-turn token always stops); drop it or use a one-token marker",
+                param,
+            )
         out += ids
     return tuple(out)
 
+
 _DECODING = "this server samples the rollout's own distribution (the trainer scores its tokens)"
 _OPENAI_UNSERVED = dict(  # field: (the values served, why no other is)
-    seed=((None,), "the engine owns the random stream of the rollout"), logit_bias=((None, {}), _DECODING),
-    frequency_penalty=((None, 0), _DECODING), presence_penalty=((None, 0), _DECODING),
+    seed=((None,), "the engine owns the random stream of the rollout"),
+    logit_bias=((None, {}), _DECODING),
+    frequency_penalty=((None, 0), _DECODING),
+    presence_penalty=((None, 0), _DECODING),
     top_logprobs=((None, 0), "the engine keeps the logprob of the sampled token only (send logprobs=true alone)"),
     parallel_tool_calls=((None, True), "the model may call several tools in one turn"),
-    response_format=((None, {'type': 'text'}), "structured output needs constrained decoding (ask for JSON in the prompt)"),
-    modalities=((None, ['text']), "the model writes text only"), audio=((None,), "the model writes text only"),
-    prediction=((None,), "predicted outputs are not served"), web_search_options=((None,), "web search is not served"),
-    reasoning_effort=((None,), "the chat template decides the reasoning"), functions=((None,), "send tools instead"),
-    function_call=((None,), "send tool_choice instead"))
-_ANTHROPIC_UNSERVED = dict(top_k=((None,), _DECODING), thinking=((None, {'type': 'disabled'}), "the chat template decides the reasoning"),
-                           mcp_servers=((None, []), "MCP servers are not served"), container=((None,), "containers are not served"))
+    response_format=(
+        (None, {'type': 'text'}),
+        "structured output needs constrained decoding (ask for JSON in the prompt)",
+    ),
+    modalities=((None, ['text']), "the model writes text only"),
+    audio=((None,), "the model writes text only"),
+    prediction=((None,), "predicted outputs are not served"),
+    web_search_options=((None,), "web search is not served"),
+    reasoning_effort=((None,), "the chat template decides the reasoning"),
+    functions=((None,), "send tools instead"),
+    function_call=((None,), "send tool_choice instead"),
+)
+_ANTHROPIC_UNSERVED = dict(
+    top_k=((None,), _DECODING),
+    thinking=((None, {'type': 'disabled'}), "the chat template decides the reasoning"),
+    mcp_servers=((None, []), "MCP servers are not served"),
+    container=((None,), "containers are not served"),
+)
 
-def _unserved(req:BaseModel, table:dict):
+
+def _unserved(req: BaseModel, table: dict):
     "A 400 naming the first field set to a value the server cannot honour"
     for name, (served, why) in table.items():
         value = getattr(req, name, None)
         if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in served):
             raise _bad(f"{name}={json.dumps(value)[:80]} is not served: {why}; omit {name}", name)
 
-def _tool_choice(choice, tools:list|None, name:str|None, param:str='tool_choice') -> list|None:
+
+def _tool_choice(choice, tools: list | None, name: str | None, param: str = 'tool_choice') -> list | None:
     "The tools to render for a tool choice: all of them ('auto'), none ('none'); forcing a call is refused"
-    if choice == 'auto': return tools
-    if choice == 'none': return None  # rendered without tools: the model is offered none to call
+    if choice == 'auto':
+        return tools
+    if choice == 'none':
+        return None  # rendered without tools: the model is offered none to call
     if choice not in ('required', 'any', 'tool', 'named'):
         raise _bad(f"{param} is {json.dumps(choice)[:80]}: send 'auto' or 'none' (forcing a tool is not served)", param)
     known = [t['function']['name'] for t in tools or []]
-    if name is not None and name not in known: raise _bad(f"{param} names the tool {name!r}, which is not among the request's tools {known}: name a declared tool", param)
-    raise _bad(f"{param}={json.dumps(choice)[:80]} is not served: forcing a tool call needs constrained decoding; send 'auto' or 'none' and ask for the tool in the prompt", param)
+    if name is not None and name not in known:
+        raise _bad(
+            f"{param} names the tool {name!r}, which is not among the request's tools {known}: name a declared tool",
+            param,
+        )
+    raise _bad(
+        f"{param}={json.dumps(choice)[:80]} is not served: forcing a tool call needs constrained decoding; send 'auto' or 'none' and ask for the tool in the prompt",
+        param,
+    )
 
-def _openai_call(req:OpenAIRequest, tokenizer) -> tuple:
+
+def _openai_call(req: OpenAIRequest, tokenizer) -> tuple:
     "(messages, tools, max_tokens, stop ids) of an OpenAI request"
-    if req.n not in (None, 1): raise _bad(f"n is {req.n}: this server samples one choice per request; send n=1 and several requests, through an SDK (its first attempts are new samples) or each with its own Idempotency-Key", 'n')
+    if req.n not in (None, 1):
+        raise _bad(
+            f"n is {req.n}: this server samples one choice per request; send n=1 and several requests, through an SDK (its first attempts are new samples) or each with its own Idempotency-Key",
+            'n',
+        )
     _unserved(req, _OPENAI_UNSERVED)
     messages, tools = from_openai(req.messages, req.tools)
     choice, name = req.tool_choice, None
     if isinstance(choice, dict):
         fn = choice.get('function')
         if not (choice.get('type') == 'function' and isinstance(fn, dict) and isinstance(fn.get('name'), str)):
-            raise _bad(f"tool_choice is {json.dumps(choice)[:80]}: send 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}", 'tool_choice')
+            raise _bad(
+                f"tool_choice is {json.dumps(choice)[:80]}: send 'auto', 'none', 'required' or {{'type': 'function', 'function': {{'name': ...}}}}",
+                'tool_choice',
+            )
         choice, name = 'named', fn['name']
-    if choice is not None: tools = _tool_choice(choice, tools, name)
+    if choice is not None:
+        tools = _tool_choice(choice, tools, name)
     mt = req.max_completion_tokens or req.max_tokens
-    if mt is not None and mt < 1: raise _bad(f"max_tokens is {mt}: ask for at least one token", 'max_tokens')
+    if mt is not None and mt < 1:
+        raise _bad(f"max_tokens is {mt}: ask for at least one token", 'max_tokens')
     return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', _MAX_STOPS['openai'])
 
-def _anthropic_call(req:AnthropicRequest, tokenizer) -> tuple:
-    if req.max_tokens < 1: raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
+
+def _anthropic_call(req: AnthropicRequest, tokenizer) -> tuple:
+    if req.max_tokens < 1:
+        raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
     _unserved(req, _ANTHROPIC_UNSERVED)
     messages, tools = from_anthropic(req.system, req.messages, req.tools)
     if req.tool_choice is not None:
-        if req.tool_choice.get('disable_parallel_tool_use'): raise _bad("tool_choice.disable_parallel_tool_use is not served: the model may call several tools in one turn; omit it", 'tool_choice')
-        tools = _tool_choice(req.tool_choice.get('type'), tools, req.tool_choice.get('name') if req.tool_choice.get('type') == 'tool' else None)
-    return messages, tools, req.max_tokens, _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences', _MAX_STOPS['anthropic'])
+        if req.tool_choice.get('disable_parallel_tool_use'):
+            raise _bad(
+                "tool_choice.disable_parallel_tool_use is not served: the model may call several tools in one turn; omit it",
+                'tool_choice',
+            )
+        tools = _tool_choice(
+            req.tool_choice.get('type'),
+            tools,
+            req.tool_choice.get('name') if req.tool_choice.get('type') == 'tool' else None,
+        )
+    return (
+        messages,
+        tools,
+        req.max_tokens,
+        _stop_ids(tokenizer, req.stop_sequences, 'stop_sequences', _MAX_STOPS['anthropic']),
+    )
 
 # %% ../nbs/06_chat_server.ipynb #8e7a2e6b
-def _usage(r:Reply) -> dict: return dict(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens, total_tokens=r.prompt_tokens + r.completion_tokens)
+def _usage(r: Reply) -> dict:
+    return dict(
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        total_tokens=r.prompt_tokens + r.completion_tokens,
+    )
 
-def _logprobs(r:Reply) -> dict:
+
+def _logprobs(r: Reply) -> dict:
     "OpenAI's `logprobs` of the reply: each sampled token with its behaviour logprob (no alternatives)"
-    return dict(content=[dict(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[]) for t, lp in zip(r.tokens, r.logprobs)], refusal=None)
+    return dict(
+        content=[
+            dict(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[]) for t, lp in zip(r.tokens, r.logprobs)
+        ],
+        refusal=None,
+    )
 
-def openai_body(r:Reply, model:str, id:str, logprobs:bool=False) -> dict:
+
+def openai_body(r: Reply, model: str, id: str, logprobs: bool = False) -> dict:
     "A `chat.completion` for the reply"
     msg = dict(role='assistant', content=r.shown if r.shown or not r.tool_calls else None)
-    if r.tool_calls: msg['tool_calls'] = r.tool_calls
-    return dict(id=id, object='chat.completion', created=int(time.time()), model=model,
-                choices=[dict(index=0, message=msg, finish_reason=r.finish, logprobs=_logprobs(r) if logprobs else None)], usage=_usage(r))
+    if r.tool_calls:
+        msg['tool_calls'] = r.tool_calls
+    return dict(
+        id=id,
+        object='chat.completion',
+        created=int(time.time()),
+        model=model,
+        choices=[dict(index=0, message=msg, finish_reason=r.finish, logprobs=_logprobs(r) if logprobs else None)],
+        usage=_usage(r),
+    )
 
-def openai_events(r:Reply, model:str, id:str, usage:bool, logprobs:bool=False) -> list:
+
+def openai_events(r: Reply, model: str, id: str, usage: bool, logprobs: bool = False) -> list:
     "The `chat.completion.chunk` events of the reply (with a usage chunk when asked), then [DONE]"
-    chunk = lambda delta, finish=None, logprobs=None: dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)])
-    out = [chunk(dict(role='assistant', content=''), logprobs=_logprobs(r) if logprobs else None)]  # all of them: the turn is whole
-    if r.shown: out.append(chunk(dict(content=r.shown)))
+    chunk = lambda delta, finish=None, logprobs=None: dict(
+        id=id,
+        object='chat.completion.chunk',
+        created=int(time.time()),
+        model=model,
+        choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)],
+    )
+    out = [
+        chunk(dict(role='assistant', content=''), logprobs=_logprobs(r) if logprobs else None)
+    ]  # all of them: the turn is whole
+    if r.shown:
+        out.append(chunk(dict(content=r.shown)))
     out += [chunk(dict(tool_calls=[dict(index=i, **c)])) for i, c in enumerate(r.tool_calls)]
     out.append(chunk({}, r.finish))
-    if usage: out.append(dict(id=id, object='chat.completion.chunk', created=int(time.time()), model=model, choices=[], usage=_usage(r)))
+    if usage:
+        out.append(
+            dict(
+                id=id,
+                object='chat.completion.chunk',
+                created=int(time.time()),
+                model=model,
+                choices=[],
+                usage=_usage(r),
+            )
+        )
     return [f"data: {json.dumps(c)}\n\n" for c in out] + ["data: [DONE]\n\n"]
 
 # %% ../nbs/06_chat_server.ipynb #9619113a
-def _stop_reason(r:Reply) -> str:
-    if r.finish == 'stop' and r.stop_sequence is not None: return 'stop_sequence'
+def _stop_reason(r: Reply) -> str:
+    if r.finish == 'stop' and r.stop_sequence is not None:
+        return 'stop_sequence'
     return dict(stop='end_turn', tool_calls='tool_use', length='max_tokens')[r.finish]
 
-def _blocks(r:Reply) -> list:
+
+def _blocks(r: Reply) -> list:
     text = [dict(type='text', text=r.shown)] if r.shown or not r.tool_calls else []
-    return text + [dict(type='tool_use', id=c['id'].replace('call_', 'toolu_', 1), name=c['function']['name'], input=json.loads(c['function']['arguments'])) for c in r.tool_calls]
+    return text + [
+        dict(
+            type='tool_use',
+            id=c['id'].replace('call_', 'toolu_', 1),
+            name=c['function']['name'],
+            input=json.loads(c['function']['arguments']),
+        )
+        for c in r.tool_calls
+    ]
 
-def anthropic_body(r:Reply, model:str, id:str) -> dict:
+
+def anthropic_body(r: Reply, model: str, id: str) -> dict:
     "A `message` for the reply"
-    return dict(id=id, type='message', role='assistant', model=model, content=_blocks(r), stop_reason=_stop_reason(r),
-                stop_sequence=r.stop_sequence if r.finish == 'stop' else None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens))
+    return dict(
+        id=id,
+        type='message',
+        role='assistant',
+        model=model,
+        content=_blocks(r),
+        stop_reason=_stop_reason(r),
+        stop_sequence=r.stop_sequence if r.finish == 'stop' else None,
+        usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens),
+    )
 
-def anthropic_events(r:Reply, model:str, id:str) -> list:
+
+def anthropic_events(r: Reply, model: str, id: str) -> list:
     "The message stream events of the reply"
     body = anthropic_body(r, model, id)
-    start = body | dict(content=[], stop_reason=None, stop_sequence=None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=0))
+    start = body | dict(
+        content=[], stop_reason=None, stop_sequence=None, usage=dict(input_tokens=r.prompt_tokens, output_tokens=0)
+    )
     out = [('message_start', dict(type='message_start', message=start))]
     for i, b in enumerate(_blocks(r)):
-        if b['type'] == 'text': first, delta = dict(type='text', text=''), dict(type='text_delta', text=b['text'])
-        else: first, delta = dict(b, input={}), dict(type='input_json_delta', partial_json=json.dumps(b['input']))
-        out += [('content_block_start', dict(type='content_block_start', index=i, content_block=first)),
-                ('content_block_delta', dict(type='content_block_delta', index=i, delta=delta)),
-                ('content_block_stop', dict(type='content_block_stop', index=i))]
-    out += [('message_delta', dict(type='message_delta', delta=dict(stop_reason=body['stop_reason'], stop_sequence=body['stop_sequence']),
-                                   usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens))),
-            ('message_stop', dict(type='message_stop'))]
+        if b['type'] == 'text':
+            first, delta = dict(type='text', text=''), dict(type='text_delta', text=b['text'])
+        else:
+            first, delta = dict(b, input={}), dict(type='input_json_delta', partial_json=json.dumps(b['input']))
+        out += [
+            ('content_block_start', dict(type='content_block_start', index=i, content_block=first)),
+            ('content_block_delta', dict(type='content_block_delta', index=i, delta=delta)),
+            ('content_block_stop', dict(type='content_block_stop', index=i)),
+        ]
+    out += [
+        (
+            'message_delta',
+            dict(
+                type='message_delta',
+                delta=dict(stop_reason=body['stop_reason'], stop_sequence=body['stop_sequence']),
+                usage=dict(input_tokens=r.prompt_tokens, output_tokens=r.completion_tokens),
+            ),
+        ),
+        ('message_stop', dict(type='message_stop')),
+    ]
     return [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in out]
 
 # %% ../nbs/06_chat_server.ipynb #5c52d8e0
 class _Uvicorn(uvicorn.Server):
     "uvicorn without its signal handlers: the host process (a notebook kernel, a Ray worker) owns its signals"
+
     @contextlib.contextmanager
-    def capture_signals(self): yield
+    def capture_signals(self):
+        yield
+
 
 def _token_chars(tokenizer) -> int:
     "Characters one token covers at most: the longest token, times 4 (a normalizer such as NFC composes up to four code points into one)"
     return 4 * max(len(t) for t in tokenizer.get_vocab())
 
+
 @dataclass
 class ChatLimits:
     "What one request may hold: beyond, a 413 (the body) or a 400 (the rest), before any work is spent on it"
-    max_body_bytes:int=4 << 20 # the body, checked on Content-Length before reading and while reading a chunked one
-    max_messages:int=2048 # messages in one request
-    max_tools:int=128 # tools in one request (OpenAI's own limit)
-    max_tool_calls:int=128 # tool calls in one assistant message (tool_use blocks on Anthropic)
-    max_parts:int=1024 # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
-    max_depth:int=64 # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
-    max_connections:int=1024 # uvicorn's limit_concurrency: connections and requests beyond it get a 503
+
+    max_body_bytes: int = 4 << 20  # the body, checked on Content-Length before reading and while reading a chunked one
+    max_messages: int = 2048  # messages in one request
+    max_tools: int = 128  # tools in one request (OpenAI's own limit)
+    max_tool_calls: int = 128  # tool calls in one assistant message (tool_use blocks on Anthropic)
+    max_parts: int = 1024  # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
+    max_depth: int = 64  # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
+    max_connections: int = 1024  # uvicorn's limit_concurrency: connections and requests beyond it get a 503
+
 
 class ChatServer:
     "The loopback OpenAI/Anthropic chat server of one runner process"
-    def __init__(self, tokenizer, # the policy's tokenizer; its chat template renders every conversation
-                 host:str='127.0.0.1', # the address to bind: loopback unless configured otherwise
-                 port:int=0, # 0 picks a free port
-                 token:str|None=None, # the bearer token clients must send (default: a fresh random one)
-                 model_name:str='policy', # the one model name served
-                 limits:ChatLimits|None=None, # what one request may hold (default: `ChatLimits()`)
-                ):
+
+    def __init__(
+        self,
+        tokenizer,  # the policy's tokenizer; its chat template renders every conversation
+        host: str = '127.0.0.1',  # the address to bind: loopback unless configured otherwise
+        port: int = 0,  # 0 picks a free port
+        token: str | None = None,  # the bearer token clients must send (default: a fresh random one)
+        model_name: str = 'policy',  # the one model name served
+        limits: ChatLimits | None = None,  # what one request may hold (default: `ChatLimits()`)
+    ):
         self.tokenizer, self.host, self.port, self.model_name = tokenizer, host, port, model_name
         self.token, self.limits = token or secrets.token_urlsafe(24), limits or ChatLimits()
         self.token_chars = _token_chars(tokenizer)
@@ -493,18 +814,32 @@ class ChatServer:
         self.app = _app(self)
 
     @property
-    def url(self) -> str: return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
-    def base_url(self, session_id:str) -> str: return f"{self.url}/s/{session_id}/v1"  # for OpenAI clients
-    def session_url(self, session_id:str) -> str: return f"{self.url}/s/{session_id}"  # for Anthropic clients (they add /v1)
+    def url(self) -> str:
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
+
+    def base_url(self, session_id: str) -> str:
+        return f"{self.url}/s/{session_id}/v1"  # for OpenAI clients
+
+    def session_url(self, session_id: str) -> str:
+        return f"{self.url}/s/{session_id}"  # for Anthropic clients (they add /v1)
+
     @property
-    def running(self) -> bool: return self._task is not None and not self._task.done()
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
 
 # %% ../nbs/06_chat_server.ipynb #77afa626
 @patch
-async def start(self:ChatServer) -> ChatServer:
+async def start(self: ChatServer) -> ChatServer:
     "Serve on the running event loop; returns once the port is bound"
-    config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level='warning', access_log=False, lifespan='off',
-                            limit_concurrency=self.limits.max_connections)
+    config = uvicorn.Config(
+        self.app,
+        host=self.host,
+        port=self.port,
+        log_level='warning',
+        access_log=False,
+        lifespan='off',
+        limit_concurrency=self.limits.max_connections,
+    )
     self._server, self.loop = _Uvicorn(config), asyncio.get_running_loop()
     # a full collection of the cyclic GC walks every object of the process (half a million once torch and a model are
     # loaded) holding the GIL for ~0.3 s, and stalls every request: what is alive now is long-lived, so leave it out
@@ -512,57 +847,80 @@ async def start(self:ChatServer) -> ChatServer:
     self._task = asyncio.ensure_future(self._server.serve())
     while not self._server.started:
         if self._task.done():
-            try: self._task.result()
-            except BaseException as e: raise RuntimeError(f"the chat server could not bind {self.host}:{self.port} ({e!r}): choose another port or leave port=0") from None
+            try:
+                self._task.result()
+            except BaseException as e:
+                raise RuntimeError(
+                    f"the chat server could not bind {self.host}:{self.port} ({e!r}): choose another port or leave port=0"
+                ) from None
         await asyncio.sleep(0.005)
     self.port = self._server.servers[0].sockets[0].getsockname()[1]
     return self
 
-@patch
-async def stop(self:ChatServer):
-    "Stop serving (the sessions stay readable)"
-    if self._task is None: return
-    self._server.should_exit = True
-    gc.unfreeze()  # what start froze is collectable again
-    with contextlib.suppress(asyncio.CancelledError): await self._task
-    self._task = None
 
 @patch
-def open(self:ChatServer, engine, sampling:SamplingParams, max_context:int=2048) -> Session:
+async def stop(self: ChatServer):
+    "Stop serving (the sessions stay readable)"
+    if self._task is None:
+        return
+    self._server.should_exit = True
+    gc.unfreeze()  # what start froze is collectable again
+    with contextlib.suppress(asyncio.CancelledError):
+        await self._task
+    self._task = None
+
+
+@patch
+def open(self: ChatServer, engine, sampling: SamplingParams, max_context: int = 2048) -> Session:
     "A new session sampling from `engine`"
     s = Session(uuid.uuid4().hex, engine, sampling, max_context)
     self.sessions[s.id] = s
     return s
 
+
 @patch
-def close(self:ChatServer, session_id:str) -> Session:
+def close(self: ChatServer, session_id: str) -> Session:
     "Forget a session (its URL answers 404 from now on); the session, with its segments"
     return self.sessions.pop(session_id)
 
 # %% ../nbs/06_chat_server.ipynb #6d2dd315
-def _wire(path:str) -> str: return 'anthropic' if path.rstrip('/').endswith('/messages') else 'openai'
+def _wire(path: str) -> str:
+    return 'anthropic' if path.rstrip('/').endswith('/messages') else 'openai'
 
-def _error_response(e:ChatError, wire:str) -> JSONResponse:
+
+def _error_response(e: ChatError, wire: str) -> JSONResponse:
     # SDKs retry 429/5xx unless told not to: nothing here is worth one (an aborted turn's rollout restarts anyway)
     headers = {'x-should-retry': 'false'}
-    return JSONResponse(anthropic_error(e) if wire == 'anthropic' else openai_error(e), status_code=e.status, headers=headers)
+    return JSONResponse(
+        anthropic_error(e) if wire == 'anthropic' else openai_error(e), status_code=e.status, headers=headers
+    )
 
-def _check_token(server:ChatServer, request:Request):
+
+def _check_token(server: ChatServer, request: Request):
     auth = request.headers.get('authorization', '')
     given = auth[7:] if auth.lower().startswith('bearer ') else request.headers.get('x-api-key', '')
     if not (given and secrets.compare_digest(given.encode(), server.token.encode())):
-        raise ChatError(401, 'authentication_error', f"{'a wrong' if given else 'no'} API key: send the run's token as the api_key (ChatContext.api_key)", code='invalid_api_key')
+        raise ChatError(
+            401,
+            'authentication_error',
+            f"{'a wrong' if given else 'no'} API key: send the run's token as the api_key (ChatContext.api_key)",
+            code='invalid_api_key',
+        )
 
-_INLINE_BYTES = 64 << 10 # bodies above this are parsed on a worker thread, so the event loop keeps serving
 
-async def _body(request:Request, model:type, limits:ChatLimits, wire:str) -> tuple:
+_INLINE_BYTES = 64 << 10  # bodies above this are parsed on a worker thread, so the event loop keeps serving
+
+
+async def _body(request: Request, model: type, limits: ChatLimits, wire: str) -> tuple:
     "(the validated request, its size in bytes); a body beyond the limits is refused before it is parsed"
     raw = await _read(request, limits.max_body_bytes)
     parse = lambda: _validate(model, _parse(raw, limits, wire))
     return (await _off_loop(parse) if len(raw) > _INLINE_BYTES else parse()), len(raw)
 
-def _validate(model:type, data:dict):
-    try: return model.model_validate(data)
+
+def _validate(model: type, data: dict):
+    try:
+        return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = '.'.join(str(x) for x in err['loc'])
@@ -570,158 +928,300 @@ def _validate(model:type, data:dict):
         raise _bad(f"{field}: {err['msg']}{got}: send it as the API reference documents it", field) from None
 
 # %% ../nbs/06_chat_server.ipynb #949a23af
-def _models(server:ChatServer, anthropic:bool) -> dict:
-    if anthropic: return dict(data=[dict(type='model', id=server.model_name, display_name=server.model_name, created_at='1970-01-01T00:00:00Z')],
-                              has_more=False, first_id=server.model_name, last_id=server.model_name)
+def _models(server: ChatServer, anthropic: bool) -> dict:
+    if anthropic:
+        return dict(
+            data=[
+                dict(
+                    type='model',
+                    id=server.model_name,
+                    display_name=server.model_name,
+                    created_at='1970-01-01T00:00:00Z',
+                )
+            ],
+            has_more=False,
+            first_id=server.model_name,
+            last_id=server.model_name,
+        )
     return dict(object='list', data=[dict(id=server.model_name, object='model', created=0, owned_by='molt-nb')])
 
-async def _stream(events:list):
-    for e in events: yield e  # an async iterator: Starlette would hop to a thread for every event of a plain one
 
-async def _chat(server:ChatServer, request:Request, session_id:str, wire:str):
+async def _stream(events: list):
+    for e in events:
+        yield e  # an async iterator: Starlette would hop to a thread for every event of a plain one
+
+
+async def _chat(server: ChatServer, request: Request, session_id: str, wire: str):
     "One chat request of either wire"
     _check_token(server, request)
     req, size = await _body(request, AnthropicRequest if wire == 'anthropic' else OpenAIRequest, server.limits, wire)
-    if req.model != server.model_name: raise ChatError(404, 'not_found_error', f"model {req.model!r} is not served here: use {server.model_name!r} (ChatContext.model_name)", 'model', 'model_not_found')
+    if req.model != server.model_name:
+        raise ChatError(
+            404,
+            'not_found_error',
+            f"model {req.model!r} is not served here: use {server.model_name!r} (ChatContext.model_name)",
+            'model',
+            'model_not_found',
+        )
     s = server.sessions.get(session_id)
-    if s is None: raise ChatError(404, 'not_found_error', f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext", code='session_not_found')
-    decode = lambda: _fits(server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer))
+    if s is None:
+        raise ChatError(
+            404,
+            'not_found_error',
+            f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext",
+            code='session_not_found',
+        )
+    decode = lambda: _fits(
+        server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer)
+    )
     messages, tools, max_tokens, stops = await _off_loop(decode) if size > _INLINE_BYTES else decode()
-    async with s.lock: r = await chat_turn(s, server.tokenizer, messages, tools, max_tokens, stops, headers=request.headers,
-                                           temperature=req.temperature, top_p=req.top_p)
+    async with s.lock:
+        r = await chat_turn(
+            s,
+            server.tokenizer,
+            messages,
+            tools,
+            max_tokens,
+            stops,
+            headers=request.headers,
+            temperature=req.temperature,
+            top_p=req.top_p,
+        )
     if wire == 'anthropic':
         rid = f"msg_{s.id}_{r.index}"
-        if req.stream: return StreamingResponse(_stream(anthropic_events(r, req.model, rid)), media_type='text/event-stream')
+        if req.stream:
+            return StreamingResponse(_stream(anthropic_events(r, req.model, rid)), media_type='text/event-stream')
         return JSONResponse(anthropic_body(r, req.model, rid))
     rid = f"chatcmpl-{s.id}-{r.index}"
-    if req.stream: return StreamingResponse(_stream(openai_events(r, req.model, rid, bool((req.stream_options or {}).get('include_usage')), bool(req.logprobs))), media_type='text/event-stream')
+    if req.stream:
+        return StreamingResponse(
+            _stream(
+                openai_events(
+                    r, req.model, rid, bool((req.stream_options or {}).get('include_usage')), bool(req.logprobs)
+                )
+            ),
+            media_type='text/event-stream',
+        )
     return JSONResponse(openai_body(r, req.model, rid, bool(req.logprobs)))
 
 # %% ../nbs/06_chat_server.ipynb #336a4cfb
-def _app(server:ChatServer) -> FastAPI:
+def _app(server: ChatServer) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     log = logging.getLogger('molt_nb.chat_server')
 
-    async def guarded(request:Request, wire:str, handler):
-        try: return await handler()
-        except ChatError as e: return _error_response(e, wire)
+    async def guarded(request: Request, wire: str, handler):
+        try:
+            return await handler()
+        except ChatError as e:
+            return _error_response(e, wire)
         except Exception as e:
             log.exception('chat request failed')
-            return _error_response(ChatError(500, 'api_error', f"the server failed on this request ({type(e).__name__}: {e}): a bug in the server, not in the request, so a retry fails the same way; the session is unchanged; report it with the server's log"), wire)
+            return _error_response(
+                ChatError(
+                    500,
+                    'api_error',
+                    f"the server failed on this request ({type(e).__name__}: {e}): a bug in the server, not in the request, so a retry fails the same way; the session is unchanged; report it with the server's log",
+                ),
+                wire,
+            )
 
     @app.get('/health')
-    async def health(): return dict(status='ok')
+    async def health():
+        return dict(status='ok')
 
     @app.get('/v1/models')
     @app.get('/s/{session_id}/v1/models')
-    async def models(request:Request, session_id:str|None=None):
-        async def run(): _check_token(server, request); return JSONResponse(_models(server, 'anthropic-version' in request.headers))
+    async def models(request: Request, session_id: str | None = None):
+        async def run():
+            _check_token(server, request)
+            return JSONResponse(_models(server, 'anthropic-version' in request.headers))
+
         return await guarded(request, 'openai', run)
 
     @app.post('/s/{session_id}/v1/chat/completions')
-    async def openai_chat(request:Request, session_id:str): return await guarded(request, 'openai', lambda: _chat(server, request, session_id, 'openai'))
+    async def openai_chat(request: Request, session_id: str):
+        return await guarded(request, 'openai', lambda: _chat(server, request, session_id, 'openai'))
 
     @app.post('/s/{session_id}/v1/messages')
-    async def anthropic_chat(request:Request, session_id:str): return await guarded(request, 'anthropic', lambda: _chat(server, request, session_id, 'anthropic'))
+    async def anthropic_chat(request: Request, session_id: str):
+        return await guarded(request, 'anthropic', lambda: _chat(server, request, session_id, 'anthropic'))
 
     @app.exception_handler(HTTPException)
-    async def http_error(request:Request, e:HTTPException):
+    async def http_error(request: Request, e: HTTPException):
         kind = 'not_found_error' if e.status_code == 404 else 'invalid_request_error'
-        return _error_response(ChatError(e.status_code, kind, f"{request.method} {request.url.path}: {e.detail}; the routes are /s/{{session}}/v1/chat/completions, /s/{{session}}/v1/messages, /v1/models and /health"), _wire(request.url.path))
+        return _error_response(
+            ChatError(
+                e.status_code,
+                kind,
+                f"{request.method} {request.url.path}: {e.detail}; the routes are /s/{{session}}/v1/chat/completions, /s/{{session}}/v1/messages, /v1/models and /health",
+            ),
+            _wire(request.url.path),
+        )
+
     return app
 
 # %% ../nbs/06_chat_server.ipynb #h1lim02
-async def _read(request:Request, limit:int) -> bytes:
+async def _read(request: Request, limit: int) -> bytes:
     "The body, refused with a 413 once it passes `limit` bytes (on Content-Length, or while streaming a chunked one)"
     declared = request.headers.get('content-length', '')
-    if declared.isdigit() and int(declared) > limit: raise _too_large(int(declared), limit)
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit: raise _too_large(size, limit, 'at least ')
+            if size > limit:
+                raise _too_large(size, limit, 'at least ')
             chunks.append(chunk)
-    except ClientDisconnect: raise _bad('the client closed the connection before the whole body arrived: send it again') from None
+    except ClientDisconnect:
+        raise _bad('the client closed the connection before the whole body arrived: send it again') from None
     return b''.join(chunks)
 
-def _too_large(size:int, limit:int, prefix:str='') -> ChatError:
-    return ChatError(413, 'request_too_large', f"the body is {prefix}{size} bytes and this server takes at most {limit} (ChatLimits.max_body_bytes): "
-                     "shorten or compact the conversation, or start the server with a larger limit", code='request_too_large')
+
+def _too_large(size: int, limit: int, prefix: str = '') -> ChatError:
+    return ChatError(
+        413,
+        'request_too_large',
+        f"the body is {prefix}{size} bytes and this server takes at most {limit} (ChatLimits.max_body_bytes): "
+        "shorten or compact the conversation, or start the server with a larger limit",
+        code='request_too_large',
+    )
 
 # %% ../nbs/06_chat_server.ipynb #h1lim03
 _SURROGATE_ESCAPE = re.compile(rb'\\u[dD][89a-fA-F][0-9a-fA-F]{2}')
 
-def _int(digits:str) -> int:
-    if len(digits.lstrip('-')) > sys.get_int_max_str_digits(): raise _bad(f"the body has an integer of {len(digits)} digits: send integers of at most {sys.get_int_max_str_digits()} digits")
+
+def _int(digits: str) -> int:
+    if len(digits.lstrip('-')) > sys.get_int_max_str_digits():
+        raise _bad(
+            f"the body has an integer of {len(digits)} digits: send integers of at most {sys.get_int_max_str_digits()} digits"
+        )
     return int(digits)
 
-def _constant(name:str): raise _bad(f"the body has {name}, which is not JSON: send a number or null")
 
-def _float(text:str) -> float:
-    if not math.isfinite(value := float(text)): raise _bad(f"the body has the number {text[:40]}, beyond a double's range: send a smaller number")
+def _constant(name: str):
+    raise _bad(f"the body has {name}, which is not JSON: send a number or null")
+
+
+def _float(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise _bad(f"the body has the number {text[:40]}, beyond a double's range: send a smaller number")
     return value
 
-def _parse(raw:bytes, limits:ChatLimits, wire:str) -> dict:
+
+def _parse(raw: bytes, limits: ChatLimits, wire: str) -> dict:
     "The body as a JSON object, checked against the limits"
-    deep = _bad(f"the body nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): flatten the JSON (tool schemas rarely need 10 levels)")
-    try: data = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
-    except RecursionError: raise deep from None  # the C parser stops at Python's recursion limit
-    except UnicodeDecodeError as e: raise _bad(f"the body is not valid UTF-8 ({e.reason} at byte {e.start}): send JSON encoded as UTF-8") from None
-    except json.JSONDecodeError as e: raise _bad(f"the body is not valid JSON ({e}): send a JSON object") from None
-    if not isinstance(data, dict): raise _bad(f"the body is a JSON {type(data).__name__}: send a JSON object")
-    if _depth(data, limits.max_depth) > limits.max_depth: raise deep
+    deep = _bad(
+        f"the body nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): flatten the JSON (tool schemas rarely need 10 levels)"
+    )
+    try:
+        data = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except RecursionError:
+        raise deep from None  # the C parser stops at Python's recursion limit
+    except UnicodeDecodeError as e:
+        raise _bad(f"the body is not valid UTF-8 ({e.reason} at byte {e.start}): send JSON encoded as UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise _bad(f"the body is not valid JSON ({e}): send a JSON object") from None
+    if not isinstance(data, dict):
+        raise _bad(f"the body is a JSON {type(data).__name__}: send a JSON object")
+    if _depth(data, limits.max_depth) > limits.max_depth:
+        raise deep
     if _SURROGATE_ESCAPE.search(raw):  # only escapes can make a lone surrogate: valid UTF-8 holds none
-        try: json.dumps(data, ensure_ascii=False).encode()
-        except UnicodeEncodeError: raise _bad("the body has a lone surrogate escape (\\ud800-\\udfff without its pair): send text as UTF-8, or a character beyond U+FFFF as a surrogate pair") from None
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise _bad(
+                "the body has a lone surrogate escape (\\ud800-\\udfff without its pair): send text as UTF-8, or a character beyond U+FFFF as a surrogate pair"
+            ) from None
     _check_counts(data, limits, wire)
     return data
 
 # %% ../nbs/06_chat_server.ipynb #h1lim05
-def _at_most(items, limit:int, where:str, name:str, advice:str):
+def _at_most(items, limit: int, where: str, name: str, advice: str):
     if isinstance(items, list) and len(items) > limit:
-        raise _bad(f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where)
+        raise _bad(
+            f"{where} has {len(items)} items and this server takes at most {limit} (ChatLimits.{name}): {advice}", where
+        )
 
-def _check_counts(data:dict, limits:ChatLimits, wire:str):
+
+def _check_counts(data: dict, limits: ChatLimits, wire: str):
     "Bound every list the server walks, and check the shapes of tool calls, before the request is decoded"
     _at_most(data.get('messages'), limits.max_messages, 'messages', 'max_messages', 'compact the conversation')
     _at_most(data.get('tools'), limits.max_tools, 'tools', 'max_tools', 'send the tools this turn needs')
     stop = 'stop_sequences' if wire == 'anthropic' else 'stop'
     if isinstance(data.get(stop), list) and len(data[stop]) > _MAX_STOPS[wire]:
-        raise _bad(f"{stop} has {len(data[stop])} strings and this wire takes at most {_MAX_STOPS[wire]}: send fewer stop strings", stop)
+        raise _bad(
+            f"{stop} has {len(data[stop])} strings and this wire takes at most {_MAX_STOPS[wire]}: send fewer stop strings",
+            stop,
+        )
     _at_most(data.get('system'), limits.max_parts, 'system', 'max_parts', 'join the text blocks')
     for i, m in enumerate(data.get('messages') if isinstance(data.get('messages'), list) else []):
-        if not isinstance(m, dict): continue  # the decoder names it
+        if not isinstance(m, dict):
+            continue  # the decoder names it
         content, where = m.get('content'), f"messages[{i}]"
         _at_most(content, limits.max_parts, f"{where}.content", 'max_parts', 'join the text parts')
         if wire == 'anthropic':
-            uses = [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use'] if isinstance(content, list) else []
-            _at_most(uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns')
-        else: _check_openai_calls(m, where, limits)
+            uses = (
+                [b for b in content if isinstance(b, dict) and b.get('type') == 'tool_use']
+                if isinstance(content, list)
+                else []
+            )
+            _at_most(
+                uses, limits.max_tool_calls, f"{where}.content", 'max_tool_calls', 'split the tool calls over turns'
+            )
+        else:
+            _check_openai_calls(m, where, limits)
 
-def _check_openai_calls(m:dict, where:str, limits:ChatLimits):
-    if not isinstance(m.get('tool_call_id', ''), str | None): raise _bad(f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string", f"{where}.tool_call_id")
+
+def _check_openai_calls(m: dict, where: str, limits: ChatLimits):
+    if not isinstance(m.get('tool_call_id', ''), str | None):
+        raise _bad(
+            f"{where}.tool_call_id is a {type(m['tool_call_id']).__name__}: send the id of the call as a string",
+            f"{where}.tool_call_id",
+        )
     calls, shape = m.get('tool_calls'), "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
-    if calls is None: return
-    if not isinstance(calls, list): raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls is a {type(calls).__name__}: send a list of {shape}", f"{where}.tool_calls")
     _at_most(calls, limits.max_tool_calls, f"{where}.tool_calls", 'max_tool_calls', 'split the tool calls over turns')
     for j, c in enumerate(calls):
-        if not (isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)):
+        if not (
+            isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c.get('id', ''), str | None)
+        ):
             raise _bad(f"{where}.tool_calls[{j}] is not a tool call: send {shape}", f"{where}.tool_calls[{j}]")
         _check_arguments(c['function'].get('arguments'), f"{where}.tool_calls[{j}].function.arguments", limits)
 
-def _check_arguments(arguments, where:str, limits:ChatLimits):
+
+def _check_arguments(arguments, where: str, limits: ChatLimits):
     "Arguments sent as a JSON string hold the same hazards as the body (depth, huge integers); the decoder reports bad JSON"
-    if not isinstance(arguments, str): return
-    try: deep = _depth(json.loads(arguments, parse_int=_int, parse_constant=_constant), limits.max_depth) > limits.max_depth
-    except json.JSONDecodeError: return
-    except RecursionError: deep = True
+    if not isinstance(arguments, str):
+        return
+    try:
+        deep = (
+            _depth(json.loads(arguments, parse_int=_int, parse_constant=_constant), limits.max_depth) > limits.max_depth
+        )
+    except json.JSONDecodeError:
+        return
+    except RecursionError:
+        deep = True
     if deep:
-        raise _bad(f"{where} nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): send back the arguments the model produced", where)
+        raise _bad(
+            f"{where} nests more than {limits.max_depth} levels deep (ChatLimits.max_depth): send back the arguments the model produced",
+            where,
+        )
 
 # %% ../nbs/06_chat_server.ipynb #h1lim07
-def _fits(server:ChatServer, s:Session, messages:list, *rest) -> tuple:
+def _fits(server: ChatServer, s: Session, messages: list, *rest) -> tuple:
     "The decoded request, refused at once when its text alone cannot fit the session's context (nothing tokenised yet)"
-    chars = sum(len(m['content'].strip()) for m in messages if m['role'] != 'assistant')  # templates may trim; assistant turns are ours
+    chars = sum(
+        len(m['content'].strip()) for m in messages if m['role'] != 'assistant'
+    )  # templates may trim; assistant turns are ours
     floor = -(-chars // server.token_chars)
-    if floor >= s.max_context: raise _bad(f"the conversation is at least {floor} tokens ({chars} characters of text) and the context holds {s.max_context}: shorten or compact the conversation", 'messages', 'context_length_exceeded')
+    if floor >= s.max_context:
+        raise _bad(
+            f"the conversation is at least {floor} tokens ({chars} characters of text) and the context holds {s.max_context}: shorten or compact the conversation",
+            'messages',
+            'context_length_exceeded',
+        )
     return messages, *rest

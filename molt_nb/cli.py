@@ -14,27 +14,40 @@ from .engine import TorchEngine
 from .models import build_tokenizer, load_policy, tiny_dense, tiny_moe
 
 # %% ../nbs/17_cli.ipynb #6717a542
-def _perturbed(model, scale:float, seed:int) -> dict:
+def _perturbed(model, scale: float, seed: int) -> dict:
     "The model's state dict plus seeded Gaussian noise: a stand-in for one optimizer step."
     g = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-            for k, v in model.state_dict().items()}
+    return {
+        k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
 
-async def sample(engine:TorchEngine, tokenizer, prompts:list, # user messages
-                 sampling:SamplingParams, update_at:int|None=None): # tokens per request before the update
+
+async def sample(
+    engine: TorchEngine,
+    tokenizer,
+    prompts: list,  # user messages
+    sampling: SamplingParams,
+    update_at: int | None = None,
+):  # tokens per request before the update
     "Generate a reply to each prompt; optionally load new weights mid-flight. Returns Generations."
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                         tokenize=True)["input_ids"] for p in prompts]
+    ids = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for p in prompts
+    ]
     tasks = [asyncio.create_task(engine.generate(i, sampling)) for i in ids]
     if update_at is not None:
-        while engine.stats["tokens"] < update_at * len(prompts) and not all(t.done() for t in tasks): await asyncio.sleep(0.001)
+        while engine.stats["tokens"] < update_at * len(prompts) and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
         await engine.pause()
         await engine.load_weights(_perturbed(engine.model, 0.02, seed=1), version=engine.version + 1)
         await engine.resume()
     return await asyncio.gather(*tasks)
 
 # %% ../nbs/17_cli.ipynb #8a230825
-def sample_table(gens:list, tokenizer, prompts:list) -> pd.DataFrame:
+def sample_table(gens: list, tokenizer, prompts: list) -> pd.DataFrame:
     "One row per sampled token of every request: request, position, token text, id, logprob, version."
     frames = [g.to_frame(tokenizer).assign(request=i, position=range(len(g))) for i, g in enumerate(gens)]
     df = pd.concat(frames, ignore_index=True)
@@ -50,29 +63,39 @@ def _parser():
     s.add_argument("--prompt", action="append", help="a user message (repeatable)")
     s.add_argument("--max-tokens", type=int, default=16)
     s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--update-at", type=int, default=4, help="load new weights after this many tokens per request (-1: never)")
+    s.add_argument(
+        "--update-at", type=int, default=4, help="load new weights after this many tokens per request (-1: never)"
+    )
     s.add_argument("--seed", type=int, default=0)
     t = sub.add_parser("train", help="train a recipe: warm start, RL on Ray, supervised control, accuracy table")
     t.add_argument("recipe", help="a recipe directory (with recipe.toml and agent.py), e.g. recipes/arith")
-    t.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. loop.seed=1 loop.mode=sync (flags may come anywhere)")
+    t.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.field=value overrides, e.g. loop.seed=1 loop.mode=sync (flags may come anywhere)",
+    )
     t.add_argument("--no-control", action="store_true", help="skip the supervised control")
     return p
 
-def _parse(argv:list|None):
+
+def _parse(argv: list | None):
     "The command's arguments; `train`'s overrides may come before and after its flags"
     p = _parser()
     args, extra = p.parse_known_args(argv)
-    if extra and args.command == "train" and not any(a.startswith("-") for a in extra): args.overrides += extra
-    elif extra: p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra and args.command == "train" and not any(a.startswith("-") for a in extra):
+        args.overrides += extra
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 # %% ../nbs/17_cli.ipynb #64098730
-def _load(name:str, seed:int):
+def _load(name: str, seed: int):
     "(model, tokenizer) for `--model`."
     if name in ("dense", "moe"):
         tok = build_tokenizer()
         return (tiny_dense if name == "dense" else tiny_moe)(tok, seed=seed), tok
     return load_policy(name)
+
 
 def train_command(args):
     "`molt-nb train`: validate the config (before Ray starts), run the job, print the summary"
@@ -80,14 +103,25 @@ def train_command(args):
     from molt_nb.loop import RecipeError
     from molt_nb.pool import RunStopped
     from molt_nb.train import train
-    try: cfg = load_config(args.recipe, args.overrides)
-    except ValueError as e: sys.exit(f"molt-nb train: bad config: {e}\nFix the recipe's recipe.toml or the section.field=value overrides (every field is documented in molt_nb/config.py).")
-    try: summary = train(cfg, with_control=not args.no_control)
-    except RecipeError as e: sys.exit(f"molt-nb train: the recipe's agent module is broken: {e}\nrecipes/README.md says what an agent module must export and what each function returns.")
-    except RunStopped as e: sys.exit(f"molt-nb train: the run stopped: {e}\nIts metrics, samples and failures.json are in {cfg.run_dir}.")
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ValueError as e:
+        sys.exit(
+            f"molt-nb train: bad config: {e}\nFix the recipe's recipe.toml or the section.field=value overrides (every field is documented in molt_nb/config.py)."
+        )
+    try:
+        summary = train(cfg, with_control=not args.no_control)
+    except RecipeError as e:
+        sys.exit(
+            f"molt-nb train: the recipe's agent module is broken: {e}\nrecipes/README.md says what an agent module must export and what each function returns."
+        )
+    except RunStopped as e:
+        sys.exit(f"molt-nb train: the run stopped: {e}\nIts metrics, samples and failures.json are in {cfg.run_dir}.")
     print(f"\nheld-out accuracy ({cfg.run_dir}):")
     print(summary.to_string(index=False, float_format=lambda x: f"{x:+.3f}" if x < 0 else f"{x:.3f}"))
     print(f"reward curve: {cfg.run_dir}/reward.png")
+
 
 def _stop_ids(model, tokenizer) -> tuple:
     "Where a reply ends, as in a chat: the tokenizer's EOS and the model's own (a chat checkpoint may end turns at another)"
@@ -95,16 +129,21 @@ def _stop_ids(model, tokenizer) -> tuple:
     ids = [tokenizer.eos_token_id, *(own if isinstance(own, (list, tuple)) else [own])]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
-def main(argv:list|None=None):
+
+def main(argv: list | None = None):
     "Entry point of the `molt-nb` command."
     args = _parse(argv)
-    if args.command == "train": return train_command(args)
+    if args.command == "train":
+        return train_command(args)
     torch.manual_seed(args.seed)
     model, tok = _load(args.model, args.seed)
     prompts = args.prompt or ["What is 2+2?", "Name a prime number.", "Say hello."]
     engine = TorchEngine(model, seed=args.seed)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, stop_token_ids=_stop_ids(model, tok))
-    try: gens = asyncio.run(sample(engine, tok, prompts, sp, None if args.update_at < 0 else args.update_at))
-    finally: engine.close()
-    for i, p in enumerate(prompts): print(f"request {i}: {p!r} -> {tok.decode(gens[i].token_ids)!r} ({gens[i].finish_reason})")
+    try:
+        gens = asyncio.run(sample(engine, tok, prompts, sp, None if args.update_at < 0 else args.update_at))
+    finally:
+        engine.close()
+    for i, p in enumerate(prompts):
+        print(f"request {i}: {p!r} -> {tok.decode(gens[i].token_ids)!r} ({gens[i].finish_reason})")
     print(sample_table(gens, tok, prompts).to_string(index=False, float_format=lambda x: f"{x:.4f}"))

@@ -21,204 +21,338 @@ from .routing import RoutingConfig
 @dataclass(frozen=True)
 class ModelConfig:
     "The policy: a local checkpoint, or a tiny Qwen3 built in code (the embedded default)"
-    path:str|None=None # a local HF checkpoint directory; None builds the tiny model below
-    hidden_size:int=128 # residual width of the tiny model
-    intermediate_size:int=512 # MLP width
-    num_layers:int=2 # decoder layers
-    num_heads:int=4 # query heads
-    num_kv_heads:int=4 # key/value heads
-    head_dim:int=32 # width of one head
-    max_position:int=64 # longest sequence
-    num_experts:int=0 # >0 builds a Qwen3-MoE with this many experts
-    experts_per_token:int=2 # top-k of the MoE router
-    moe_intermediate_size:int|None=None # width of one expert's MLP (default intermediate_size // 4)
-    dense_layers:tuple=() # decoder-layer ids that stay dense in a MoE model
+
+    path: str | None = None  # a local HF checkpoint directory; None builds the tiny model below
+    hidden_size: int = 128  # residual width of the tiny model
+    intermediate_size: int = 512  # MLP width
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 4  # key/value heads
+    head_dim: int = 32  # width of one head
+    max_position: int = 64  # longest sequence
+    num_experts: int = 0  # >0 builds a Qwen3-MoE with this many experts
+    experts_per_token: int = 2  # top-k of the MoE router
+    moe_intermediate_size: int | None = None  # width of one expert's MLP (default intermediate_size // 4)
+    dense_layers: tuple = ()  # decoder-layer ids that stay dense in a MoE model
+
 
 @dataclass(frozen=True)
 class WarmStartConfig:
     "Supervised warm start on the recipe's labelled demos before RL (demos=0: none)"
-    demos:int=0 # labelled examples, drawn once from `demos(n, seed)` of the agent module
-    steps:int=1500 # optimizer steps
-    lr:float=1e-3 # AdamW learning rate
-    batch_size:int=64 # examples per step
-    weight_decay:float=0.01 # AdamW weight decay
+
+    demos: int = 0  # labelled examples, drawn once from `demos(n, seed)` of the agent module
+    steps: int = 1500  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate
+    batch_size: int = 64  # examples per step
+    weight_decay: float = 0.01  # AdamW weight decay
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
     "Sampling: groups per step, samples per prompt, and how rollouts run"
-    n_samples:int=8 # rollouts per prompt (a group)
-    groups_per_step:int=16 # groups in one training batch
-    groups_in_flight:int=32 # groups running or waiting in async modes (>= groups_per_step)
-    temperature:float=1.0 # sampling temperature (logprobs are trained at it)
-    max_tokens:int=16 # most tokens per model turn
-    timeout_s:float=60.0 # a rollout taking longer is cancelled and counted
-    min_successes:int=2 # a group with fewer good rollouts is dropped
-    keep_low:float|None=None # dynamic filtering: keep groups whose mean score is > keep_low ...
-    keep_high:float|None=None # ... and < keep_high (both or neither)
-    max_batch:int=256 # most requests the engine decodes at once
-    threads:int=1 # CPU threads of the engine's forward
-    dtype:str='float32' # the engine's weights: 'float32', or 'bfloat16' as vLLM serves them (the trainer stays fp32)
-    max_failure_rate:float=0.5 # the run stops when more than this fraction of the last failure_window rollouts failed (1: never)
-    failure_window:int=64 # how many of the latest finished rollouts max_failure_rate looks at
+
+    n_samples: int = 8  # rollouts per prompt (a group)
+    groups_per_step: int = 16  # groups in one training batch
+    groups_in_flight: int = 32  # groups running or waiting in async modes (>= groups_per_step)
+    temperature: float = 1.0  # sampling temperature (logprobs are trained at it)
+    max_tokens: int = 16  # most tokens per model turn
+    timeout_s: float = 60.0  # a rollout taking longer is cancelled and counted
+    min_successes: int = 2  # a group with fewer good rollouts is dropped
+    keep_low: float | None = None  # dynamic filtering: keep groups whose mean score is > keep_low ...
+    keep_high: float | None = None  # ... and < keep_high (both or neither)
+    max_batch: int = 256  # most requests the engine decodes at once
+    threads: int = 1  # CPU threads of the engine's forward
+    dtype: str = (
+        'float32'  # the engine's weights: 'float32', or 'bfloat16' as vLLM serves them (the trainer stays fp32)
+    )
+    max_failure_rate: float = (
+        0.5  # the run stops when more than this fraction of the last failure_window rollouts failed (1: never)
+    )
+    failure_window: int = 64  # how many of the latest finished rollouts max_failure_rate looks at
+
 
 @dataclass(frozen=True)
 class TrainConfig:
     "The trainer process"
-    micro_batch_rows:int=128 # rows per forward/backward, dividing a step's rollouts (the gradient does not depend on it)
-    threads:int=1 # CPU threads of the trainer
-    checkpoint_every:int=0 # steps between checkpoints (0: only at the end)
+
+    micro_batch_rows: int = (
+        128  # rows per forward/backward, dividing a step's rollouts (the gradient does not depend on it)
+    )
+    threads: int = 1  # CPU threads of the trainer
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+
 
 @dataclass(frozen=True)
 class LoopConfig:
     "The orchestrator: mode, length, evaluation"
-    mode:str='async' # 'sync' (strictly on-policy), 'async' (bounded staleness) or 'partial' (requests survive a sync)
-    max_staleness:int=1 # async/partial: groups with a token older than this many versions are dropped
-    steps:int=100 # training steps
-    seconds:float|None=None # stop after this much wall time (whichever comes first), evaluations included (the last may run over by 5 s or a tenth of this)
-    eval_every:int=0 # steps between held-out evaluations (0: only at the start and the end)
-    eval_tasks:int|None=None # evaluate on the first n eval tasks (None: all)
-    seed:int=0 # model init, data order and sampling
-    debug:bool=False # check every trained token against what the engine returned
-    flush_every:int=50 # steps between writes of metrics and samples to the run store
+
+    mode: str = (
+        'async'  # 'sync' (strictly on-policy), 'async' (bounded staleness) or 'partial' (requests survive a sync)
+    )
+    max_staleness: int = 1  # async/partial: groups with a token older than this many versions are dropped
+    steps: int = 100  # training steps
+    seconds: float | None = (
+        None  # stop after this much wall time (whichever comes first), evaluations included (the last may run over by 5 s or a tenth of this)
+    )
+    eval_every: int = 0  # steps between held-out evaluations (0: only at the start and the end)
+    eval_tasks: int | None = None  # evaluate on the first n eval tasks (None: all)
+    seed: int = 0  # model init, data order and sampling
+    debug: bool = False  # check every trained token against what the engine returned
+    flush_every: int = 50  # steps between writes of metrics and samples to the run store
 
 # %% ../nbs/09_config.ipynb #60637558
 LOOP_MODES = ('sync', 'async', 'partial')
 ENGINE_DTYPES = ('float32', 'bfloat16', 'float16')
 
+
 @dataclass(frozen=True)
 class RunConfig:
     "Everything a run needs; build it with `load_config`"
-    recipe:str # the recipe directory
-    agent:str='agent.py' # the agent module, relative to the recipe
-    agent_options:dict=field(default_factory=dict) # keyword arguments of the module's AgentRunner
-    run_dir:str|None=None # where the run store goes (load_config's default: runs/<recipe name> under the working directory)
-    model:ModelConfig=ModelConfig()
-    warm_start:WarmStartConfig=WarmStartConfig()
-    rollout:RolloutConfig=RolloutConfig()
-    algo:AlgoConfig=AlgoConfig()
-    optim:OptimConfig=OptimConfig()
-    train:TrainConfig=TrainConfig()
-    loop:LoopConfig=LoopConfig()
-    routing:RoutingConfig=RoutingConfig() # MoE policies: replay the rollout's expert routes in training
+
+    recipe: str  # the recipe directory
+    agent: str = 'agent.py'  # the agent module, relative to the recipe
+    agent_options: dict = field(default_factory=dict)  # keyword arguments of the module's AgentRunner
+    run_dir: str | None = (
+        None  # where the run store goes (load_config's default: runs/<recipe name> under the working directory)
+    )
+    model: ModelConfig = ModelConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    loop: LoopConfig = LoopConfig()
+    routing: RoutingConfig = RoutingConfig()  # MoE policies: replay the rollout's expert routes in training
 
     @property
-    def agent_path(self) -> Path: return Path(self.recipe)/self.agent
+    def agent_path(self) -> Path:
+        return Path(self.recipe) / self.agent
 
     @property
-    def rollouts_per_step(self) -> int: return self.rollout.n_samples * self.rollout.groups_per_step
+    def rollouts_per_step(self) -> int:
+        return self.rollout.n_samples * self.rollout.groups_per_step
 
 # %% ../nbs/09_config.ipynb #b055daad
-_SECTIONS = dict(model=ModelConfig, warm_start=WarmStartConfig, rollout=RolloutConfig, algo=AlgoConfig, optim=OptimConfig, train=TrainConfig, loop=LoopConfig, routing=RoutingConfig)
-_EXPECTED = {float: 'a number (e.g. 0.001)', int: 'a whole number', bool: 'true or false', str: 'a quoted string',
-             tuple: 'a list (e.g. [0, 1])', dict: 'a table', type(None): 'nothing (leave the field out)'}
+_SECTIONS = dict(
+    model=ModelConfig,
+    warm_start=WarmStartConfig,
+    rollout=RolloutConfig,
+    algo=AlgoConfig,
+    optim=OptimConfig,
+    train=TrainConfig,
+    loop=LoopConfig,
+    routing=RoutingConfig,
+)
+_EXPECTED = {
+    float: 'a number (e.g. 0.001)',
+    int: 'a whole number',
+    bool: 'true or false',
+    str: 'a quoted string',
+    tuple: 'a list (e.g. [0, 1])',
+    dict: 'a table',
+    type(None): 'nothing (leave the field out)',
+}
+
 
 def _typed(value, tp):
     "`value` as a field annotated `tp` (a list becomes a tuple, an int a float); TypeError naming what `tp` accepts"
     options = tp.__args__ if isinstance(tp, types.UnionType) else (tp,)
     for t in options:
-        if t is type(None) and value is None: return None
+        if t is type(None) and value is None:
+            return None
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if number and (t is float or (t is int and isinstance(value, int))): return t(value)
-        if t is tuple and isinstance(value, (list, tuple)): return tuple(value)
-        if t in (str, bool, dict) and isinstance(value, t): return value
+        if number and (t is float or (t is int and isinstance(value, int))):
+            return t(value)
+        if t is tuple and isinstance(value, (list, tuple)):
+            return tuple(value)
+        if t in (str, bool, dict) and isinstance(value, t):
+            return value
     raise TypeError(' or '.join(_EXPECTED.get(t, t.__name__) for t in options))
 
-def _unknown(path:tuple, key:str, known:list, value) -> str:
+
+def _unknown(path: tuple, key: str, known: list, value) -> str:
     "The message for a field nobody declared: the nearest declared name, else the section's names"
     kind = 'section' if not path and isinstance(value, dict) else 'field'
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"did you mean {'.'.join(path + (near[0],))}?" if near else f"{'.'.join(path) or 'a recipe'} has {', '.join(sorted(known))}"
+    hint = (
+        f"did you mean {'.'.join(path + (near[0],))}?"
+        if near
+        else f"{'.'.join(path) or 'a recipe'} has {', '.join(sorted(known))}"
+    )
     return f"unknown {kind} {'.'.join(path + (key,))}: {hint}"
 
-def _parse(cls, values, path:tuple, problems:list):
+
+def _parse(cls, values, path: tuple, problems: list):
     "`cls(**values)`, nested tables built too, or None; each mistake is appended to `problems`, naming its dotted field"
-    if isinstance(values, cls): return values
+    if isinstance(values, cls):
+        return values
     if not isinstance(values, dict):
-        problems.append(f"{'.'.join(path)} is {values!r}, expected a table of fields ([{'.'.join(path)}] in recipe.toml)")
+        problems.append(
+            f"{'.'.join(path)} is {values!r}, expected a table of fields ([{'.'.join(path)}] in recipe.toml)"
+        )
         return None
     known, kw, before = {f.name: f.type for f in fields(cls)}, {}, len(problems)
     for k, v in values.items():
         tp = known.get(k)
-        if tp is None: problems.append(_unknown(path, k, list(known), v))
-        elif dataclasses.is_dataclass(tp): kw[k] = _parse(tp, v, path + (k,), problems)
+        if tp is None:
+            problems.append(_unknown(path, k, list(known), v))
+        elif dataclasses.is_dataclass(tp):
+            kw[k] = _parse(tp, v, path + (k,), problems)
         else:
-            try: kw[k] = _typed(v, tp)
+            try:
+                kw[k] = _typed(v, tp)
             except TypeError as e:
                 name = '.'.join(path + (k,))
-                text = str in (tp.__args__ if isinstance(tp, types.UnionType) else (tp,)) # on a command line the shell eats one pair of quotes
-                problems.append(f"{name} is {v!r}, expected {e}" + (f"; on the command line quote it twice: {name}='\"{v}\"'" if text else ''))
-    if len(problems) > before: return None
-    try: return cls(**kw)
-    except (ValueError, TypeError) as e: problems.append(f"{'.'.join(path)}: {e}" if path else str(e))
+                text = str in (
+                    tp.__args__ if isinstance(tp, types.UnionType) else (tp,)
+                )  # on a command line the shell eats one pair of quotes
+                problems.append(
+                    f"{name} is {v!r}, expected {e}"
+                    + (f"; on the command line quote it twice: {name}='\"{v}\"'" if text else '')
+                )
+    if len(problems) > before:
+        return None
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError) as e:
+        problems.append(f"{'.'.join(path)}: {e}" if path else str(e))
 
-def _build(cls, values:dict, path:tuple=()):
+
+def _build(cls, values: dict, path: tuple = ()):
     "`cls(**values)`, nested tables built too; one ValueError naming every mistake"
     problems = []
     out = _parse(cls, values, path, problems)
-    if len(problems) > 1: raise ValueError(f"{len(problems)} mistakes:\n" + '\n'.join(f"  - {p}" for p in problems))
-    if problems: raise ValueError(problems[0])
+    if len(problems) > 1:
+        raise ValueError(f"{len(problems)} mistakes:\n" + '\n'.join(f"  - {p}" for p in problems))
+    if problems:
+        raise ValueError(problems[0])
     return out
 
 # %% ../nbs/09_config.ipynb #f8a00faa
-def check(cfg:RunConfig) -> RunConfig:
+def check(cfg: RunConfig) -> RunConfig:
     "Raise if sections of `cfg` contradict each other or the recipe is missing; return `cfg`"
     r, lp = cfg.rollout, cfg.loop
-    if not Path(cfg.recipe).is_dir(): raise ValueError(f"recipe is {cfg.recipe!r}, which is not a directory: give the path of a recipe directory such as recipes/arith")
-    if not cfg.agent_path.is_file(): raise ValueError(f"agent is {cfg.agent!r}, but {str(cfg.agent_path)!r} does not exist: the recipe needs an agent module exporting AgentRunner and tasks(split)")
-    for name in ('n_samples', 'groups_per_step', 'groups_in_flight', 'max_tokens', 'max_batch', 'threads', 'min_successes'):
-        if not (isinstance(getattr(r, name), int) and getattr(r, name) >= 1): raise ValueError(f"rollout.{name} is {getattr(r, name)!r}, expected an int >= 1")
-    if get_estimator(cfg.algo.estimator).grouped and r.n_samples < 2: raise ValueError(f"rollout.n_samples is {r.n_samples}, but algo.estimator={cfg.algo.estimator!r} compares the rollouts of a group: use n_samples >= 2")
-    if r.min_successes > r.n_samples: raise ValueError(f"rollout.min_successes is {r.min_successes}, more than rollout.n_samples={r.n_samples}")
-    if cfg.train.micro_batch_rows < cfg.rollouts_per_step and cfg.rollouts_per_step % cfg.train.micro_batch_rows: raise ValueError(f"train.micro_batch_rows is {cfg.train.micro_batch_rows}, which does not divide the {cfg.rollouts_per_step} rollouts of a step (rollout.groups_per_step x rollout.n_samples)")
-    if lp.mode not in LOOP_MODES: raise ValueError(f"loop.mode is {lp.mode!r}, expected one of {LOOP_MODES}")
-    if lp.mode != 'sync' and r.groups_in_flight < r.groups_per_step: raise ValueError(f"rollout.groups_in_flight is {r.groups_in_flight}, fewer than rollout.groups_per_step={r.groups_per_step}: a step could never fill")
-    if (r.keep_low is None) != (r.keep_high is None): raise ValueError("rollout.keep_low and rollout.keep_high go together: set both (e.g. 0 and 1) or neither")
-    if r.keep_low is not None and not r.keep_low < r.keep_high: raise ValueError(f"rollout.keep_low={r.keep_low} must be below rollout.keep_high={r.keep_high}")
-    if not 0 <= r.max_failure_rate <= 1 or r.failure_window < 1: raise ValueError(f"rollout.max_failure_rate is {r.max_failure_rate} and rollout.failure_window {r.failure_window}: give a fraction in [0, 1] (1 never stops) and a window >= 1")
-    if r.dtype not in ENGINE_DTYPES: raise ValueError(f"rollout.dtype is {r.dtype!r}, expected one of {ENGINE_DTYPES}")
-    if abs(cfg.algo.temperature - r.temperature) > 1e-9: raise ValueError(f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must score tokens at the temperature they were sampled at")
-    if not r.temperature > 0: raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
-    if lp.steps < 1 or lp.max_staleness < 0 or lp.eval_every < 0 or lp.flush_every < 1: raise ValueError(f"loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got {lp.steps}, {lp.flush_every}, {lp.max_staleness}, {lp.eval_every}")
-    if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0: raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
-    if cfg.model.path is not None and not Path(cfg.model.path).is_dir(): raise ValueError(f"model.path is {cfg.model.path!r}, which is not a directory: give a local checkpoint directory or leave it unset for the tiny model")
+    if not Path(cfg.recipe).is_dir():
+        raise ValueError(
+            f"recipe is {cfg.recipe!r}, which is not a directory: give the path of a recipe directory such as recipes/arith"
+        )
+    if not cfg.agent_path.is_file():
+        raise ValueError(
+            f"agent is {cfg.agent!r}, but {str(cfg.agent_path)!r} does not exist: the recipe needs an agent module exporting AgentRunner and tasks(split)"
+        )
+    for name in (
+        'n_samples',
+        'groups_per_step',
+        'groups_in_flight',
+        'max_tokens',
+        'max_batch',
+        'threads',
+        'min_successes',
+    ):
+        if not (isinstance(getattr(r, name), int) and getattr(r, name) >= 1):
+            raise ValueError(f"rollout.{name} is {getattr(r, name)!r}, expected an int >= 1")
+    if get_estimator(cfg.algo.estimator).grouped and r.n_samples < 2:
+        raise ValueError(
+            f"rollout.n_samples is {r.n_samples}, but algo.estimator={cfg.algo.estimator!r} compares the rollouts of a group: use n_samples >= 2"
+        )
+    if r.min_successes > r.n_samples:
+        raise ValueError(f"rollout.min_successes is {r.min_successes}, more than rollout.n_samples={r.n_samples}")
+    if cfg.train.micro_batch_rows < cfg.rollouts_per_step and cfg.rollouts_per_step % cfg.train.micro_batch_rows:
+        raise ValueError(
+            f"train.micro_batch_rows is {cfg.train.micro_batch_rows}, which does not divide the {cfg.rollouts_per_step} rollouts of a step (rollout.groups_per_step x rollout.n_samples)"
+        )
+    if lp.mode not in LOOP_MODES:
+        raise ValueError(f"loop.mode is {lp.mode!r}, expected one of {LOOP_MODES}")
+    if lp.mode != 'sync' and r.groups_in_flight < r.groups_per_step:
+        raise ValueError(
+            f"rollout.groups_in_flight is {r.groups_in_flight}, fewer than rollout.groups_per_step={r.groups_per_step}: a step could never fill"
+        )
+    if (r.keep_low is None) != (r.keep_high is None):
+        raise ValueError("rollout.keep_low and rollout.keep_high go together: set both (e.g. 0 and 1) or neither")
+    if r.keep_low is not None and not r.keep_low < r.keep_high:
+        raise ValueError(f"rollout.keep_low={r.keep_low} must be below rollout.keep_high={r.keep_high}")
+    if not 0 <= r.max_failure_rate <= 1 or r.failure_window < 1:
+        raise ValueError(
+            f"rollout.max_failure_rate is {r.max_failure_rate} and rollout.failure_window {r.failure_window}: give a fraction in [0, 1] (1 never stops) and a window >= 1"
+        )
+    if r.dtype not in ENGINE_DTYPES:
+        raise ValueError(f"rollout.dtype is {r.dtype!r}, expected one of {ENGINE_DTYPES}")
+    if abs(cfg.algo.temperature - r.temperature) > 1e-9:
+        raise ValueError(
+            f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must score tokens at the temperature they were sampled at"
+        )
+    if not r.temperature > 0:
+        raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
+    if lp.steps < 1 or lp.max_staleness < 0 or lp.eval_every < 0 or lp.flush_every < 1:
+        raise ValueError(
+            f"loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got {lp.steps}, {lp.flush_every}, {lp.max_staleness}, {lp.eval_every}"
+        )
+    if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0:
+        raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        raise ValueError(
+            f"model.path is {cfg.model.path!r}, which is not a directory: give a local checkpoint directory or leave it unset for the tiny model"
+        )
     return cfg
 
 # %% ../nbs/09_config.ipynb #93d12c28
-def _override(table:dict, item:str):
+def _override(table: dict, item: str):
     "Apply one `a.b.c=value` override to nested dict `table`"
     key, sep, raw = item.partition('=')
-    if not sep or not key.strip(): raise ValueError(f"override {item!r} must look like section.field=value, e.g. loop.steps=20")
-    try: value = tomllib.loads(f"v = {raw}")['v']
-    except tomllib.TOMLDecodeError: value = raw
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} must look like section.field=value, e.g. loop.steps=20")
+    try:
+        value = tomllib.loads(f"v = {raw}")['v']
+    except tomllib.TOMLDecodeError:
+        value = raw
     *parents, leaf = key.strip().split('.')
-    for p in parents: table = table.setdefault(p, {})
+    for p in parents:
+        table = table.setdefault(p, {})
     table[leaf] = value
 
-def load_config(recipe, # a recipe directory (holding recipe.toml), or the path of a .toml file
-                overrides:list=(), # `section.field=value` strings applied on top
-               ) -> RunConfig:
+
+def load_config(
+    recipe,  # a recipe directory (holding recipe.toml), or the path of a .toml file
+    overrides: list = (),  # `section.field=value` strings applied on top
+) -> RunConfig:
     "The validated `RunConfig` of a recipe"
     path = Path(recipe)
-    if path.suffix == '.toml': toml, recipe_dir = path, path.parent
-    else: toml, recipe_dir = path/'recipe.toml', path
-    if not recipe_dir.is_dir(): raise ValueError(f"recipe {str(recipe)!r} does not exist: give a recipe directory such as recipes/arith")
+    if path.suffix == '.toml':
+        toml, recipe_dir = path, path.parent
+    else:
+        toml, recipe_dir = path / 'recipe.toml', path
+    if not recipe_dir.is_dir():
+        raise ValueError(f"recipe {str(recipe)!r} does not exist: give a recipe directory such as recipes/arith")
     table = tomllib.loads(toml.read_text()) if toml.is_file() else {}
-    for item in overrides: _override(table, item)
-    table.setdefault('recipe', str(recipe_dir.resolve())) # absolute: Ray workers do not share our working directory
-    table.setdefault('run_dir', str(Path.cwd()/'runs'/recipe_dir.resolve().name))
+    for item in overrides:
+        _override(table, item)
+    table.setdefault('recipe', str(recipe_dir.resolve()))  # absolute: Ray workers do not share our working directory
+    table.setdefault('run_dir', str(Path.cwd() / 'runs' / recipe_dir.resolve().name))
     rollout, algo = table.get('rollout'), table.setdefault('algo', {})
-    if isinstance(rollout, dict) and isinstance(algo, dict) and 'temperature' in rollout: algo.setdefault('temperature', rollout['temperature'])
+    if isinstance(rollout, dict) and isinstance(algo, dict) and 'temperature' in rollout:
+        algo.setdefault('temperature', rollout['temperature'])
     return check(_build(RunConfig, table))
 
 # %% ../nbs/09_config.ipynb #342d702c
-def build_policy(cfg:RunConfig) -> tuple:
+def build_policy(cfg: RunConfig) -> tuple:
     "(model, tokenizer) of the run's policy, fp32"
-    transformers.utils.logging.disable_progress_bar() # a loading bar per process is noise in a run's output
-    if cfg.model.path is not None: return load_policy(cfg.model.path)
+    transformers.utils.logging.disable_progress_bar()  # a loading bar per process is noise in a run's output
+    if cfg.model.path is not None:
+        return load_policy(cfg.model.path)
     tok = build_tokenizer()
     m = cfg.model
-    tiny = TinyConfig(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-                      num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, max_position=m.max_position, num_experts=m.num_experts,
-                      experts_per_token=m.experts_per_token, moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size // 4,
-                      dense_layers=m.dense_layers, seed=cfg.loop.seed)
+    tiny = TinyConfig(
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        max_position=m.max_position,
+        num_experts=m.num_experts,
+        experts_per_token=m.experts_per_token,
+        moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size // 4,
+        dense_layers=m.dense_layers,
+        seed=cfg.loop.seed,
+    )
     return build_model(tiny, tok), tok

@@ -18,7 +18,14 @@ import torch
 from fastcore.basics import patch
 from .core import collate
 from .golden import golden, _trajectories
-from .estimators import ESTIMATORS, Estimator, compute_advantages, degenerate_goldens, degenerate_rollouts, golden_input
+from molt_nb.estimators import (
+    ESTIMATORS,
+    Estimator,
+    compute_advantages,
+    degenerate_goldens,
+    degenerate_rollouts,
+    golden_input,
+)
 from .losses import POLICY_LOSSES, compute_loss
 from .actor import BackwardError, latest_checkpoint, lr_factor
 from .config import RunConfig, _SECTIONS, _build, check, load_config
@@ -26,238 +33,354 @@ from .loop import Trainer, Orchestrator, start_ray
 from .train import check_recipe
 
 # %% ../nbs/15_controller.ipynb #c5a7c1db
-NAMESPACE = 'molt' # the Ray namespace runs (orchestrator `name`, trainer `name/trainer`) are named in
+NAMESPACE = 'molt'  # the Ray namespace runs (orchestrator `name`, trainer `name/trainer`) are named in
 SWAP_KINDS = ('estimator', 'loss', 'reward', 'config')
+
 
 class SwapRejected(ValueError):
     "A hot-swap the run refused (it keeps its current function or config)"
 
+
 class SwapFailed(Exception):
     "A swapped function that failed in a step of the run: the run goes back to the function it replaced"
-    def __init__(self, kind:str, key:str, reason:str):
+
+    def __init__(self, kind: str, key: str, reason: str):
         super().__init__(kind, key, reason)
         self.kind, self.key, self.reason = kind, key, reason
-    def __str__(self): return f"{self.kind} {self.key!r}: {self.reason}"
+
+    def __str__(self):
+        return f"{self.kind} {self.key!r}: {self.reason}"
+
 
 @dataclass
 class Swap:
     "New code or config for a running run"
-    kind:str # one of SWAP_KINDS
-    name:str # the function's name (config: the changed fields)
-    source:str # the function's source, as defined in its cell (config: field=value lines)
-    payload:bytes # the cloudpickled function (config: the changed fields as a dict)
-    step:int|None=None # the first step trained with it, once it took effect
-    key:str|None=None # its name in the run's registries: swap/<name>, swap/<name>#2 for the second of that name
-    replaces:str|None=None # the key (or built-in name) it replaced: what the run goes back to if it fails
-    failed:str|None=None # why the run went back from it ('step 7: ValueError: ...'), once it failed in a step
+
+    kind: str  # one of SWAP_KINDS
+    name: str  # the function's name (config: the changed fields)
+    source: str  # the function's source, as defined in its cell (config: field=value lines)
+    payload: bytes  # the cloudpickled function (config: the changed fields as a dict)
+    step: int | None = None  # the first step trained with it, once it took effect
+    key: str | None = None  # its name in the run's registries: swap/<name>, swap/<name>#2 for the second of that name
+    replaces: str | None = None  # the key (or built-in name) it replaced: what the run goes back to if it fails
+    failed: str | None = None  # why the run went back from it ('step 7: ValueError: ...'), once it failed in a step
+
 
 def _source(fn) -> str:
-    try: return inspect.getsource(fn).strip()
-    except (OSError, TypeError): return f"<source of {getattr(fn, '__qualname__', fn)!r} is not available>"
+    try:
+        return inspect.getsource(fn).strip()
+    except (OSError, TypeError):
+        return f"<source of {getattr(fn, '__qualname__', fn)!r} is not available>"
 
-def make_swap(kind:str, fn) -> Swap:
+
+def make_swap(kind: str, fn) -> Swap:
     "A `Swap` of `fn` as the run's `kind` function"
-    if kind not in SWAP_KINDS[:3]: raise ValueError(f"swap kind is {kind!r}, expected one of {SWAP_KINDS[:3]} (set_config changes config fields)")
-    if not callable(fn): raise TypeError(f"set_{kind} needs a function, got {type(fn).__name__}: define it in a cell with def and pass it")
+    if kind not in SWAP_KINDS[:3]:
+        raise ValueError(f"swap kind is {kind!r}, expected one of {SWAP_KINDS[:3]} (set_config changes config fields)")
+    if not callable(fn):
+        raise TypeError(
+            f"set_{kind} needs a function, got {type(fn).__name__}: define it in a cell with def and pass it"
+        )
     return Swap(kind, getattr(fn, '__name__', kind), _source(fn), cloudpickle.dumps(fn))
 
 # %% ../nbs/15_controller.ipynb #bdafa8a0
-CASES = dict(equal_rewards='golden batch with every reward equal', one_sample_groups='golden batch with one rollout per group',
-             masked_rows='golden batch with rows of no action token', long='golden batch with a 2048-token rollout')
+CASES = dict(
+    equal_rewards='golden batch with every reward equal',
+    one_sample_groups='golden batch with one rollout per group',
+    masked_rows='golden batch with rows of no action token',
+    long='golden batch with a 2048-token rollout',
+)
+
 
 def _batches() -> list:
     "(name, `Golden`) of the golden batch, then of its degenerate variants"
     return [('golden batch', golden()), *((CASES[k], g) for k, g in degenerate_goldens().items())]
 
-def _refused(kind:str, fn, case:str, e:Exception) -> SwapRejected:
-    return SwapRejected(f"{kind} {getattr(fn, '__name__', fn)!r} fails on the {case} ({type(e).__name__}: {e}); the run keeps its {kind}")
 
-def check_estimator(fn, whiten:bool=False):
+def _refused(kind: str, fn, case: str, e: Exception) -> SwapRejected:
+    return SwapRejected(
+        f"{kind} {getattr(fn, '__name__', fn)!r} fails on the {case} ({type(e).__name__}: {e}); the run keeps its {kind}"
+    )
+
+
+def check_estimator(fn, whiten: bool = False):
     "(B, T) advantages of estimator `fn(x: AdvantageInput)` on the golden batch; raises `SwapRejected` naming the batch it fails on and why"
     out = []
     for case, g in _batches():
-        try: out.append(compute_advantages(golden_input(g), fn, whiten))
-        except Exception as e: raise _refused('estimator', fn, case, e) from e
+        try:
+            out.append(compute_advantages(golden_input(g), fn, whiten))
+        except Exception as e:
+            raise _refused('estimator', fn, case, e) from e
     return out[0]
+
 
 def _loss_tokens(fn, g, cfg, adv=None):
     "`fn`'s (B, T) per-token loss on `g`, once its aggregate has a finite gradient (`adv`: default the golden loss cases')"
     from molt_nb.losses import _golden_inputs
+
     logp, old, golden_adv = _golden_inputs(g)
     adv = golden_adv if adv is None else adv
     out = fn(logp, old, adv, g.batch.action_mask, cfg)
-    if not isinstance(out, torch.Tensor) or out.shape != logp.shape: raise ValueError(f"it returned {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}, expected a per-token loss of shape (B, T) = {tuple(logp.shape)}")
+    if not isinstance(out, torch.Tensor) or out.shape != logp.shape:
+        raise ValueError(
+            f"it returned {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}, expected a per-token loss of shape (B, T) = {tuple(logp.shape)}"
+        )
     loss = compute_loss(logp, old, adv, g.batch, cfg, version=g.version)[0]
-    if not loss.requires_grad: raise ValueError("its loss does not depend on logp, so it has no gradient")
+    if not loss.requires_grad:
+        raise ValueError("its loss does not depend on logp, so it has no gradient")
     loss.backward()
-    if not loss.isfinite() or not logp.grad.isfinite().all(): raise ValueError("its loss or gradient is not finite")
+    if not loss.isfinite() or not logp.grad.isfinite().all():
+        raise ValueError("its loss or gradient is not finite")
     return out.detach()
+
 
 def check_loss(fn, cfg=None):
     "(B, T) per-token loss of policy loss `fn(logp, old_logp, adv, mask, cfg)` on the golden batch; raises `SwapRejected` naming the batch it fails on and why"
     from molt_nb.losses import LossConfig
+
     name, out = f"check/{id(fn)}", []
     POLICY_LOSSES[name] = fn
     try:
         cfg = replace(cfg or LossConfig(), policy_loss=name)
         for i, (case, g) in enumerate(_batches()):
             # degenerate batches get GRPO's advantages, as a run would: all 0 when every reward is equal
-            try: out.append(_loss_tokens(fn, g, cfg, None if i == 0 else compute_advantages(golden_input(g), 'grpo')))
-            except Exception as e: raise _refused('loss', fn, case, e) from e
+            try:
+                out.append(_loss_tokens(fn, g, cfg, None if i == 0 else compute_advantages(golden_input(g), 'grpo')))
+            except Exception as e:
+                raise _refused('loss', fn, case, e) from e
         return out[0]
-    finally: POLICY_LOSSES.pop(name, None)
+    finally:
+        POLICY_LOSSES.pop(name, None)
+
 
 def _text(t, tokenizer) -> str:
     "The text of rollout `t`'s action tokens"
     return tokenizer.decode(torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist())
 
-def _reward(fn, t, text:str) -> float:
+
+def _reward(fn, t, text: str) -> float:
     "`fn`'s reward of rollout `t` as a float; raises unless it is finite"
     r = float(fn(t, text))
-    if not math.isfinite(r): raise ValueError(f"it gave {r} for rollout {t.rollout_id!r}, expected a finite number")
+    if not math.isfinite(r):
+        raise ValueError(f"it gave {r} for rollout {t.rollout_id!r}, expected a finite number")
     return r
+
 
 def check_reward(fn, tokenizer) -> list:
     "Rewards of `fn(trajectory, text)` for the golden rollouts; raises `SwapRejected` naming the rollouts it fails on and why"
     odd = degenerate_rollouts()
     out = []
-    for case, trs in (('golden rollouts', _trajectories()), ('golden rollout with no action token', odd['masked_rows'][:1]),
-                      ('golden rollout of 2048 tokens', odd['long'][-1:])):
-        try: out.append([_reward(fn, t, _text(t, tokenizer)) for t in trs])
-        except Exception as e: raise _refused('reward', fn, case, e) from e
+    for case, trs in (
+        ('golden rollouts', _trajectories()),
+        ('golden rollout with no action token', odd['masked_rows'][:1]),
+        ('golden rollout of 2048 tokens', odd['long'][-1:]),
+    ):
+        try:
+            out.append([_reward(fn, t, _text(t, tokenizer)) for t in trs])
+        except Exception as e:
+            raise _refused('reward', fn, case, e) from e
     return out[0]
 
 # %% ../nbs/15_controller.ipynb #0cce8ed5
 LIVE_FIELDS = ('algo.', 'optim.lr', 'optim.grad_clip', 'loop.steps', 'loop.seconds', 'loop.max_staleness')
 
-def _flatten(fields:dict, prefix:str='') -> dict:
+
+def _flatten(fields: dict, prefix: str = '') -> dict:
     out = {}
     for k, v in fields.items():
-        if isinstance(v, dict) and k != 'agent_options': out |= _flatten(v, f"{prefix}{k}.")
-        else: out[f"{prefix}{k}"] = v
+        if isinstance(v, dict) and k != 'agent_options':
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
-def updated_config(cfg:RunConfig, fields:dict) -> RunConfig:
+
+def updated_config(cfg: RunConfig, fields: dict) -> RunConfig:
     "`cfg` with `fields` (nested dicts or dotted names) changed, validated; raises `SwapRejected` for a field that cannot change live"
     flat = _flatten(fields)
     for k in flat:
         if k == 'algo.temperature' or not any(k == f or (f.endswith('.') and k.startswith(f)) for f in LIVE_FIELDS):
-            raise SwapRejected(f"{k} cannot change in a running run (live fields: {', '.join(LIVE_FIELDS)}, except algo.temperature): stop it and launch a new run with the new config")
+            raise SwapRejected(
+                f"{k} cannot change in a running run (live fields: {', '.join(LIVE_FIELDS)}, except algo.temperature): stop it and launch a new run with the new config"
+            )
     table = asdict(cfg)
     for k, v in flat.items():
         *parents, leaf = k.split('.')
         t = table
-        for p in parents: t = t[p]
-        if leaf not in t: raise SwapRejected(f"unknown field {k}")
+        for p in parents:
+            t = t[p]
+        if leaf not in t:
+            raise SwapRejected(f"unknown field {k}")
         t[leaf] = v
     top = {k: v for k, v in table.items() if k not in _SECTIONS}
-    try: return check(_build(RunConfig, top | {k: _build(c, table[k], (k,)) for k, c in _SECTIONS.items()}, ()))
-    except ValueError as e: raise SwapRejected(f"{e}; the run keeps its config") from None
+    try:
+        return check(_build(RunConfig, top | {k: _build(c, table[k], (k,)) for k, c in _SECTIONS.items()}, ()))
+    except ValueError as e:
+        raise SwapRejected(f"{e}; the run keeps its config") from None
 
 # %% ../nbs/15_controller.ipynb #4b3cf1a1
-def _guarded(kind:str, key:str, fn):
+def _guarded(kind: str, key: str, fn):
     "`fn` with what it raises, or a non-finite result, re-raised as `SwapFailed` naming the swap `key`"
-    def failed(e): return SwapFailed(kind, key, f"{type(e).__name__}: {e}")
+
+    def failed(e):
+        return SwapFailed(kind, key, f"{type(e).__name__}: {e}")
+
     @functools.wraps(fn)
     def estimator(x):
-        try: return compute_advantages(x, fn, False) # its shape and finiteness are checked here, inside the guard
-        except Exception as e: raise failed(e) from e
+        try:
+            return compute_advantages(x, fn, False)  # its shape and finiteness are checked here, inside the guard
+        except Exception as e:
+            raise failed(e) from e
+
     @functools.wraps(fn)
     def loss(logp, old_logp, adv, mask, cfg):
-        try: out = fn(logp, old_logp, adv, mask, cfg)
-        except Exception as e: raise failed(e) from e
-        if isinstance(out, torch.Tensor) and not torch.where(mask, out.detach(), 0.).isfinite().all():
+        try:
+            out = fn(logp, old_logp, adv, mask, cfg)
+        except Exception as e:
+            raise failed(e) from e
+        if isinstance(out, torch.Tensor) and not torch.where(mask, out.detach(), 0.0).isfinite().all():
             raise SwapFailed(kind, key, "it returned a non-finite loss on a kept token")
         return out
+
     return estimator if kind == 'estimator' else loss
 
-def _in_use(algo, kind:str) -> str:
+
+def _in_use(algo, kind: str) -> str:
     "The name of `algo`'s estimator or policy loss"
     return algo.estimator if kind == 'estimator' else algo.loss.policy_loss
 
-def _with(algo, kind:str, key:str):
-    "`algo` with `key` as its estimator or policy loss"
-    return replace(algo, estimator=key) if kind == 'estimator' else replace(algo, loss=replace(algo.loss, policy_loss=key))
 
-def _registered(swap:Swap, algo):
+def _with(algo, kind: str, key: str):
+    "`algo` with `key` as its estimator or policy loss"
+    return (
+        replace(algo, estimator=key) if kind == 'estimator' else replace(algo, loss=replace(algo.loss, policy_loss=key))
+    )
+
+
+def _registered(swap: Swap, algo):
     "`algo` naming the estimator or loss of `swap`, which is registered (guarded) in this process under its key"
     key = swap.key or f"swap/{swap.name}"
     if swap.kind == 'estimator':
         fn, whiten = cloudpickle.loads(swap.payload)
         ESTIMATORS[key] = Estimator(_guarded('estimator', key, fn), whiten)
-    else: POLICY_LOSSES[key] = _guarded('loss', key, cloudpickle.loads(swap.payload))
+    else:
+        POLICY_LOSSES[key] = _guarded('loss', key, cloudpickle.loads(swap.payload))
     return _with(algo, swap.kind, key)
 
-def install(actor, swap:Swap):
+
+def install(actor, swap: Swap):
     "Make `swap` the policy actor's estimator, loss or algo/optim config"
-    if swap.kind in ('estimator', 'loss'): actor.algo = _registered(swap, actor.algo)
+    if swap.kind in ('estimator', 'loss'):
+        actor.algo = _registered(swap, actor.algo)
     elif swap.kind == 'config':
         actor.algo, actor.optim, _ = cloudpickle.loads(swap.payload)
         for g in actor.opt.param_groups:
             g['initial_lr'] = actor.optim.lr
             g['lr'] = actor.optim.lr * lr_factor(actor.scheduler.last_epoch, actor.optim)
         actor.scheduler.base_lrs = [actor.optim.lr] * len(actor.opt.param_groups)
-    else: raise ValueError(f"the trainer cannot install a {swap.kind!r} swap")
+    else:
+        raise ValueError(f"the trainer cannot install a {swap.kind!r} swap")
+
 
 class RunTrainer(Trainer):
     "A `Trainer` that installs swaps at step boundaries, and reports a swapped function that fails in a step"
-    def train_step(self, batch, swaps:list=()) -> dict:
+
+    def train_step(self, batch, swaps: list = ()) -> dict:
         "The step's result, or {'failed': [what failed]}: each swap that could not be installed, or the swap that failed the step"
         failed = []
         for s in swaps:
             # a function that cannot be unpickled here (a module only the notebook's machine has) fails like one
             # that raises
-            try: install(self.actor, s)
+            try:
+                install(self.actor, s)
             except Exception as e:
-                if s.kind == 'config': raise
-                failed.append(dict(kind=s.kind, key=s.key, reason=f"the trainer could not install it ({type(e).__name__}: {e})"))
-        if failed: return dict(failed=failed)
+                if s.kind == 'config':
+                    raise
+                failed.append(
+                    dict(kind=s.kind, key=s.key, reason=f"the trainer could not install it ({type(e).__name__}: {e})")
+                )
+        if failed:
+            return dict(failed=failed)
         # a non-finite gradient or a failed backward pass: a swapped loss is the suspect if there is one, else a swapped
         # estimator's advantages; with neither, a non-finite gradient only costs the step its update (counted)
         a = self.actor.algo
         suspect = next((k for k in ('loss', 'estimator') if _in_use(a, k).startswith('swap/')), None)
         self.actor.skip_nonfinite = suspect is None
-        try: return Trainer.train_step(self, batch)
-        except SwapFailed as e: return dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
+        try:
+            return Trainer.train_step(self, batch)
+        except SwapFailed as e:
+            return dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
         except (FloatingPointError, BackwardError) as e:
-            if suspect is None: raise
+            if suspect is None:
+                raise
             why = f"suspected of it, as the swapped {suspect} in use: {type(e).__name__}: {e}"
             return dict(failed=[dict(kind=suspect, key=_in_use(a, suspect), reason=why)])
 
-    def go_back(self, kind:str, key:str, back:str):
+    def go_back(self, kind: str, key: str, back: str):
         "Make `back` the estimator or policy loss again where `key` (which failed) is the one in use"
-        if _in_use(self.actor.algo, kind) == key: self.actor.algo = _with(self.actor.algo, kind, back)
-    def algo(self): return self.actor.algo
+        if _in_use(self.actor.algo, kind) == key:
+            self.actor.algo = _with(self.actor.algo, kind, back)
+
+    def algo(self):
+        return self.actor.algo
 
 # %% ../nbs/15_controller.ipynb #85f59bf5
-ENDED = ('finished', 'stopped', 'failed') # states of a run whose loop is over
+ENDED = ('finished', 'stopped', 'failed')  # states of a run whose loop is over
 
-def _one_line(e:BaseException) -> str:
+
+def _one_line(e: BaseException) -> str:
     "`e` as 'Type: the first line of its message' (a Ray task error as the error it wraps)"
     cause = getattr(e, 'cause', None)
     e = cause if isinstance(cause, BaseException) else e
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
+
 class RunOrchestrator(Orchestrator):
     "An `Orchestrator` a notebook steers: start, pause, resume, stop, checkpoint and hot-swaps between steps"
-    def __init__(self, cfg:RunConfig, trainer=None, # a `RunTrainer`; None starts one as a Ray actor owned by this one
-                 resume:bool=False, name:str|None=None):
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        trainer=None,  # a `RunTrainer`; None starts one as a Ray actor owned by this one
+        resume: bool = False,
+        name: str | None = None,
+    ):
         name = name or Path(cfg.run_dir).name
         if trainer is None:
             # detached too: an actor this one owns would still be cleaned up with the job of the driver that launched the run
             import ray
-            trainer = ray.remote(RunTrainer).options(num_cpus=0, name=f"{name}/trainer", namespace=NAMESPACE, lifetime='detached').remote(cfg)
+
+            trainer = (
+                ray.remote(RunTrainer)
+                .options(num_cpus=0, name=f"{name}/trainer", namespace=NAMESPACE, lifetime='detached')
+                .remote(cfg)
+            )
         super().__init__(cfg, trainer, resume)
-        self.name, self.state, self.task, self.error, self.reason, self.traceback = name, 'created', None, None, None, None
+        self.name, self.state, self.task, self.error, self.reason, self.traceback = (
+            name,
+            'created',
+            None,
+            None,
+            None,
+            None,
+        )
         self.pause_after, self.stop_requested, self.resumed, self.failed_swap = None, False, asyncio.Event(), None
-        self.queued, self.swaps, self.reward, self.reward_fn, self.checkpoints, self._pool = [], [], None, None, [], None
-        self.restored = [] # on a resume: the swaps in effect at the checkpoint, for the fresh trainer
+        self.queued, self.swaps, self.reward, self.reward_fn, self.checkpoints, self._pool = (
+            [],
+            [],
+            None,
+            None,
+            [],
+            None,
+        )
+        self.restored = []  # on a resume: the swaps in effect at the checkpoint, for the fresh trainer
         self.resumed.set()
 
     async def start(self) -> dict:
         "Begin the loop in the background (again: no-op); the status"
-        if self.task is None: self.state, self.task = 'running', asyncio.ensure_future(self._guarded())
+        if self.task is None:
+            self.state, self.task = 'running', asyncio.ensure_future(self._guarded())
         return await self.status()
 
     async def _guarded(self):
@@ -266,10 +389,14 @@ class RunOrchestrator(Orchestrator):
             self.state = 'stopped' if self.stop_requested else 'finished'
         except BaseException as e:
             self.state, self.error, self.traceback = 'failed', _one_line(e), ''.join(traceback.format_exception(e))
-            self.reason = (f"{self.error} (after step {self._logged()}; status()['traceback'] has the traceback). Its metrics and "
-                           f"checkpoints stay in {self.cfg.run_dir}: run.kill() frees the name, launch(cfg, resume=True) continues from the last checkpoint")
-            if not isinstance(e, Exception): raise
-        finally: self.close()
+            self.reason = (
+                f"{self.error} (after step {self._logged()}; status()['traceback'] has the traceback). Its metrics and "
+                f"checkpoints stay in {self.cfg.run_dir}: run.kill() frees the name, launch(cfg, resume=True) continues from the last checkpoint"
+            )
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self.close()
 
     def _logged(self) -> int:
         "The last step whose metrics row is logged (the loop counts a step before it logs its row)"
@@ -277,29 +404,44 @@ class RunOrchestrator(Orchestrator):
 
     async def status(self) -> dict:
         last = self.store.rows[-1] if self.store.rows else {}
-        return dict(name=self.name, state=self.state, step=self._logged(), steps=self.cfg.loop.steps, version=self.sync.version,
-                    reward=last.get('reward'), swaps=len(self.swaps), queued=len(self.queued), reason=self.reason,
-                    failed_swap=self.failed_swap, error=self.error, traceback=self.traceback)
+        return dict(
+            name=self.name,
+            state=self.state,
+            step=self._logged(),
+            steps=self.cfg.loop.steps,
+            version=self.sync.version,
+            reward=last.get('reward'),
+            swaps=len(self.swaps),
+            queued=len(self.queued),
+            reason=self.reason,
+            failed_swap=self.failed_swap,
+            error=self.error,
+            traceback=self.traceback,
+        )
 
 # %% ../nbs/15_controller.ipynb #b33fb42c
 @patch
-async def pause(self:RunOrchestrator, after:int|None=None) -> dict:
+async def pause(self: RunOrchestrator, after: int | None = None) -> dict:
     "Hold the loop before it trains the step after `after` (default: the step after the one in hand)"
     self.pause_after = self.step if after is None else after
     return await self.status()
 
+
 @patch
-async def unpause(self:RunOrchestrator) -> dict:
+async def unpause(self: RunOrchestrator) -> dict:
     "Let a paused loop go on (the loop's `resume` flag is its checkpoint resume, hence the name)"
     self.pause_after = None
     self.resumed.set()
-    if self.state == 'paused': self.state, self.reason, self.failed_swap = 'running', None, None
+    if self.state == 'paused':
+        self.state, self.reason, self.failed_swap = 'running', None, None
     return await self.status()
 
+
 @patch
-async def stop(self:RunOrchestrator) -> dict:
+async def stop(self: RunOrchestrator) -> dict:
     "End the run after the step in hand, with a final checkpoint (a run that has ended stays as it is: see its state)"
-    if self.state in ENDED: return await self.status()
+    if self.state in ENDED:
+        return await self.status()
     self.stop_requested, self.pause_after = True, None
     self.resumed.set()
     if self.state in ('running', 'paused'):
@@ -307,234 +449,317 @@ async def stop(self:RunOrchestrator) -> dict:
         self.reason = f"stop(): the run ends after step {self.step + 1} with a checkpoint"
     return await self.status()
 
-@patch
-def _more(self:RunOrchestrator) -> bool: return not self.stop_requested and Orchestrator._more(self)
 
 @patch
-async def checkpoint(self:RunOrchestrator) -> str:
+def _more(self: RunOrchestrator) -> bool:
+    return not self.stop_requested and Orchestrator._more(self)
+
+
+@patch
+async def checkpoint(self: RunOrchestrator) -> str:
     "Save a checkpoint at the next step boundary; its path"
-    if self.task is None or self.task.done(): raise RuntimeError(f"run {self.name!r} is {self.state}: checkpoints are taken between steps of a running run")
+    if self.task is None or self.task.done():
+        raise RuntimeError(f"run {self.name!r} is {self.state}: checkpoints are taken between steps of a running run")
     done = asyncio.get_running_loop().create_future()
     self.checkpoints.append(done)
     return await done
 
 # %% ../nbs/15_controller.ipynb #d68ab8ca
 @patch
-def _train(self:RunOrchestrator, work:dict) -> asyncio.Task:
+def _train(self: RunOrchestrator, work: dict) -> asyncio.Task:
     return asyncio.ensure_future(self._train_at_boundary(work))
 
+
 @patch
-async def _train_at_boundary(self:RunOrchestrator, work:dict) -> dict:
-    step, work['swaps'], work['failures'] = self.step + 1, [], [] # the step this batch trains
-    pending = [] # the trainer's swaps due at this step, kept until the trainer has taken them (a reward may fail first)
+async def _train_at_boundary(self: RunOrchestrator, work: dict) -> dict:
+    step, work['swaps'], work['failures'] = self.step + 1, [], []  # the step this batch trains
+    pending = []  # the trainer's swaps due at this step, kept until the trainer has taken them (a reward may fail first)
     while True:
         await self._hold(step)
-        while self.checkpoints: await self._checkpoint_now(work, self.checkpoints.pop(0))
+        while self.checkpoints:
+            await self._checkpoint_now(work, self.checkpoints.pop(0))
         swaps = self._due(step)
         work['swaps'] += swaps
         pending += [s for s in swaps if s.kind != 'reward']
         try:
-            if self.reward_fn is not None or 'env_rewards' in work: await self._rescore(work)
+            if self.reward_fn is not None or 'env_rewards' in work:
+                await self._rescore(work)
             out = await self._call('train_step', work['batch'], pending)
-        except SwapFailed as e: out = dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
-        else: pending = []
-        if not out.get('failed'): return out
+        except SwapFailed as e:
+            out = dict(failed=[dict(kind=e.kind, key=e.key, reason=e.reason)])
+        else:
+            pending = []
+        if not out.get('failed'):
+            return out
         await self._go_back(out['failed'], step, work)
 
+
 @patch
-async def _hold(self:RunOrchestrator, step:int):
+async def _hold(self: RunOrchestrator, step: int):
     "Wait while the run is paused before `step`; it shows as paused once the step before has its metrics row"
     while self.pause_after is not None and step > self.pause_after:
-        if self.store.rows and self.store.rows[-1]['step'] < step - 1: await asyncio.sleep(0.02); continue
+        if self.store.rows and self.store.rows[-1]['step'] < step - 1:
+            await asyncio.sleep(0.02)
+            continue
         self.state, self.reason = 'paused', self.reason or f"paused before step {step} by pause(): run.resume() goes on"
         self.resumed.clear()
         await self.resumed.wait()
-    if self.state == 'paused': self.state = 'running'
-    if self.state == 'running': self.reason, self.failed_swap = None, None
+    if self.state == 'paused':
+        self.state = 'running'
+    if self.state == 'running':
+        self.reason, self.failed_swap = None, None
+
 
 @patch
-def _due(self:RunOrchestrator, step:int) -> list:
+def _due(self: RunOrchestrator, step: int) -> list:
     "The swaps taking effect at `step` (those queued; on a resume's first step, also those restored); the reward swap among them is the run's"
     swaps, self.queued = self.queued, []
-    for s in swaps: s.step = step
+    for s in swaps:
+        s.step = step
     # the swaps a resume restored reach the fresh trainer with the first step; its metrics row names them
     swaps, self.restored = self.restored + swaps, []
     for s in swaps:
-        if s.kind == 'reward': self.reward, self.reward_fn = s, cloudpickle.loads(s.payload)
+        if s.kind == 'reward':
+            self.reward, self.reward_fn = s, cloudpickle.loads(s.payload)
     return swaps
 
+
 @patch
-async def _rescore(self:RunOrchestrator, work:dict):
+async def _rescore(self: RunOrchestrator, work: dict):
     "Score the batch's rollouts with the swapped reward function (the environment's rewards again when there is none any more)"
     trs = work['trajectories']
     env = work.setdefault('env_rewards', [t.reward for t in trs])
-    for t, r in zip(trs, env): t.reward = r # the function sees the environment's reward, on a retry too
+    for t, r in zip(trs, env):
+        t.reward = r  # the function sees the environment's reward, on a retry too
     work.pop('env_reward', None)
     if self.reward_fn is not None:
         fn, seconds = self.reward_fn, self.cfg.rollout.timeout_s
         # in a thread, under a time limit: a reward that hangs must not freeze status(), pause() and stop()
-        try: rewards = await _limited(lambda: [_reward(fn, t, _text(t, self.tokenizer)) for t in trs], seconds)
-        except TimeoutError: raise SwapFailed('reward', self.reward.key, f"it ran past {seconds:g} s (rollout.timeout_s) on the batch") from None
-        except Exception as e: raise SwapFailed('reward', self.reward.key, f"{type(e).__name__}: {e}") from e
-        for t, r in zip(trs, rewards): t.reward = r
+        try:
+            rewards = await _limited(lambda: [_reward(fn, t, _text(t, self.tokenizer)) for t in trs], seconds)
+        except TimeoutError:
+            raise SwapFailed(
+                'reward', self.reward.key, f"it ran past {seconds:g} s (rollout.timeout_s) on the batch"
+            ) from None
+        except Exception as e:
+            raise SwapFailed('reward', self.reward.key, f"{type(e).__name__}: {e}") from e
+        for t, r in zip(trs, rewards):
+            t.reward = r
         work['env_reward'] = sum(env) / len(env)
     work['batch'] = collate(trs, self.engine.vocab_size)
 
+
 @patch
-async def _checkpoint_now(self:RunOrchestrator, work:dict, done):
+async def _checkpoint_now(self: RunOrchestrator, work: dict, done):
     try:
         state = self._pool.state()
         state['pending'] = sorted(set(state['pending']) | {t.prompt_index for t in work['trajectories']})
         done.set_result(await self._save(state))
-    except Exception as e: done.set_exception(e)
+    except Exception as e:
+        done.set_exception(e)
+
 
 @patch
-async def _collect(self:RunOrchestrator, pool, version:int) -> dict:
+async def _collect(self: RunOrchestrator, pool, version: int) -> dict:
     self._pool = pool
     return await Orchestrator._collect(self, pool, version)
 
 # %% ../nbs/15_controller.ipynb #82ad63d0
 @patch
-def _swap_named(self:RunOrchestrator, key:str|None, kind:str) -> Swap|None:
+def _swap_named(self: RunOrchestrator, key: str | None, kind: str) -> Swap | None:
     "The latest swap of `kind` named `key`; None for None (a built-in, or the environment's reward)"
-    if key is None: return None
+    if key is None:
+        return None
     return next((s for s in reversed(self.swaps) if s.key == key and s.kind == kind), None)
 
+
 @patch
-async def _take_out(self:RunOrchestrator, s:Swap) -> str|None:
+async def _take_out(self: RunOrchestrator, s: Swap) -> str | None:
     "Make what `s` replaced (skipping what failed before) its kind's again; that key (None: the environment's reward)"
     back = s.replaces
-    while (b := self._swap_named(back, s.kind)) is not None and b.failed: back = b.replaces
+    while (b := self._swap_named(back, s.kind)) is not None and b.failed:
+        back = b.replaces
     if s.kind == 'reward':
         if self.reward is s:
             self.reward = self._swap_named(back, 'reward')
             self.reward_fn = None if self.reward is None else cloudpickle.loads(self.reward.payload)
         return back
-    if _in_use(self.cfg.algo, s.kind) == s.key: self.cfg = replace(self.cfg, algo=_with(self.cfg.algo, s.kind, back))
+    if _in_use(self.cfg.algo, s.kind) == s.key:
+        self.cfg = replace(self.cfg, algo=_with(self.cfg.algo, s.kind, back))
     await self._call('go_back', s.kind, s.key, back)
     return back
 
+
 @patch
-async def _go_back(self:RunOrchestrator, failures:list, step:int, work:dict):
+async def _go_back(self: RunOrchestrator, failures: list, step: int, work: dict):
     "Take out the swaps that failed in `step` (`failures`: kind, key, reason of each), and pause before `step` saying why"
     said = []
     for f in failures:
         s = self._swap_named(f['key'], f['kind'])
-        if s is None: raise RuntimeError(f"the trainer reports that {f['kind']} {f['key']!r} failed, but no swap has that key: {f['reason']}")
+        if s is None:
+            raise RuntimeError(
+                f"the trainer reports that {f['kind']} {f['key']!r} failed, but no swap has that key: {f['reason']}"
+            )
         s.failed = f"step {step}: {f['reason']}"
         back = await self._take_out(s)
         work['failures'].append(s)
-        was = "the environment's reward" if back is None else repr(getattr(self._swap_named(back, s.kind), 'name', back))
-        later = [q.name for q in self.queued if q.kind == s.kind] # queued since: the last one trains the step
-        said.append(f"{s.kind} {s.name!r} failed at step {step} ({f['reason'][:300]}); the run went back to {was}"
-                    + (f", but {later[-1]!r}, queued since, trains step {step}" if later else ''))
-    kinds = ' and '.join(dict.fromkeys(s.kind for s in work['failures'][-len(failures):]))
+        was = (
+            "the environment's reward" if back is None else repr(getattr(self._swap_named(back, s.kind), 'name', back))
+        )
+        later = [q.name for q in self.queued if q.kind == s.kind]  # queued since: the last one trains the step
+        said.append(
+            f"{s.kind} {s.name!r} failed at step {step} ({f['reason'][:300]}); the run went back to {was}"
+            + (f", but {later[-1]!r}, queued since, trains step {step}" if later else '')
+        )
+    kinds = ' and '.join(dict.fromkeys(s.kind for s in work['failures'][-len(failures) :]))
     if self.stop_requested:
         self.reason = f"{'; '.join(said)}. The run is stopping: it trains step {step} so, then ends"
         return
-    self.failed_swap = ', '.join(f"{s.kind} {s.name!r}" for s in work['failures'][-len(failures):])
-    self.reason = f"{'; '.join(said)}. It is paused before step {step}: run.resume() trains it, or swap in a fixed {kinds} first"
+    self.failed_swap = ', '.join(f"{s.kind} {s.name!r}" for s in work['failures'][-len(failures) :])
+    self.reason = (
+        f"{'; '.join(said)}. It is paused before step {step}: run.resume() trains it, or swap in a fixed {kinds} first"
+    )
     self.pause_after = step - 1
 
 # %% ../nbs/15_controller.ipynb #9840b5f4
-CHECK_SECONDS = 5.0 # a swap's check (golden and degenerate batches) taking longer is refused; `timeout=` of set_estimator etc. changes it
+CHECK_SECONDS = 5.0  # a swap's check (golden and degenerate batches) taking longer is refused; `timeout=` of set_estimator etc. changes it
 
-class _CheckTimeout(BaseException): "Raised inside a check's thread once the check ran past its time limit"
 
-async def _limited(fn, seconds:float):
+class _CheckTimeout(BaseException):
+    "Raised inside a check's thread once the check ran past its time limit"
+
+
+async def _limited(fn, seconds: float):
     "fn() in a daemon thread; raises TimeoutError after `seconds`, and interrupts the thread if fn is still running"
     fut, lock, done = concurrent.futures.Future(), threading.Lock(), []
+
     def target():
         try:
-            try: out, err = fn(), None
-            except BaseException as e: out, err = None, e
-            with lock: done.append(True) # from here on, no interrupt can be aimed at this thread
-        except _CheckTimeout: return # it struck after fn returned: nobody waits for the result any more
+            try:
+                out, err = fn(), None
+            except BaseException as e:
+                out, err = None, e
+            with lock:
+                done.append(True)  # from here on, no interrupt can be aimed at this thread
+        except _CheckTimeout:
+            return  # it struck after fn returned: nobody waits for the result any more
         if fut.set_running_or_notify_cancel():
-            if err is None: fut.set_result(out)
-            else: fut.set_exception(err)
+            if err is None:
+                fut.set_result(out)
+            else:
+                fut.set_exception(err)
+
     t = threading.Thread(target=target, daemon=True, name='molt-swap-check')
     t.start()
-    try: return await asyncio.wait_for(asyncio.wrap_future(fut), seconds)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(fut), seconds)
     except asyncio.TimeoutError:
         # a thread cannot be killed: an exception raised in it ends a check looping in Python. It cannot stop a long C
         # call or a sleep (it strikes when they return), nor a check that catches it (a bare except): such a thread is
         # abandoned, running on as a daemon. Aimed only while fn runs, so it never lands in another thread
         with lock:
-            if not done: ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_CheckTimeout))
+            if not done:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_CheckTimeout))
         raise TimeoutError(f"its check ran past {seconds} s") from None
 
-@patch
-def _refusal(self:RunOrchestrator, kind:str) -> str:
-    "Why a swap into a run that has ended (or is ending) is refused, and what to do instead"
-    why = dict(failed=f"failed ({self.error})", stopping='stopping after the step in hand').get(self.state, self.state)
-    return (f"run {self.name!r} is {why} at step {self._logged()}: a new {kind} would never take effect. To train with it, "
-            f"launch(cfg, resume=True) continues the run from its last checkpoint with its swaps (run.kill() first frees the "
-            f"name); swap it in there")
 
 @patch
-async def swap(self:RunOrchestrator, s:Swap, whiten:bool=False, timeout:float|None=None) -> dict:
+def _refusal(self: RunOrchestrator, kind: str) -> str:
+    "Why a swap into a run that has ended (or is ending) is refused, and what to do instead"
+    why = dict(failed=f"failed ({self.error})", stopping='stopping after the step in hand').get(self.state, self.state)
+    return (
+        f"run {self.name!r} is {why} at step {self._logged()}: a new {kind} would never take effect. To train with it, "
+        f"launch(cfg, resume=True) continues the run from its last checkpoint with its swaps (run.kill() first frees the "
+        f"name); swap it in there"
+    )
+
+
+@patch
+async def swap(self: RunOrchestrator, s: Swap, whiten: bool = False, timeout: float | None = None) -> dict:
     "Check `s` on the golden batches (at most `timeout` s, default `CHECK_SECONDS`) and queue it for the next step; {'accepted': bool, 'error': str|None}"
-    if self.state in (*ENDED, 'stopping'): return dict(accepted=False, error=self._refusal(s.kind))
+    if self.state in (*ENDED, 'stopping'):
+        return dict(accepted=False, error=self._refusal(s.kind))
     timeout = CHECK_SECONDS if timeout is None else timeout
     try:
         fn = None if s.kind == 'config' else cloudpickle.loads(s.payload)
-        check = dict(estimator=lambda: check_estimator(fn, whiten), loss=lambda: check_loss(fn, self.cfg.algo.loss),
-                     reward=lambda: check_reward(fn, self.tokenizer),
-                     config=lambda: updated_config(self.cfg, fn or cloudpickle.loads(s.payload)))[s.kind]
-        try: out = await _limited(check, timeout)
+        check = dict(
+            estimator=lambda: check_estimator(fn, whiten),
+            loss=lambda: check_loss(fn, self.cfg.algo.loss),
+            reward=lambda: check_reward(fn, self.tokenizer),
+            config=lambda: updated_config(self.cfg, fn or cloudpickle.loads(s.payload)),
+        )[s.kind]
+        try:
+            out = await _limited(check, timeout)
         except TimeoutError:
-            raise SwapRejected(f"{s.kind} {s.name!r} took over {timeout} s on the golden batches; the run keeps its {s.kind} "
-                               f"(a slower check needs a larger timeout=)") from None
-    except Exception as e: return dict(accepted=False, error=str(e) if isinstance(e, SwapRejected) else f"{type(e).__name__}: {e}")
+            raise SwapRejected(
+                f"{s.kind} {s.name!r} took over {timeout} s on the golden batches; the run keeps its {s.kind} "
+                f"(a slower check needs a larger timeout=)"
+            ) from None
+    except Exception as e:
+        return dict(accepted=False, error=str(e) if isinstance(e, SwapRejected) else f"{type(e).__name__}: {e}")
     # the run may have ended (or been stopped) while the check ran
-    if self.state in (*ENDED, 'stopping'): return dict(accepted=False, error=self._refusal(s.kind))
-    if s.kind == 'estimator': s = replace(s, payload=cloudpickle.dumps((fn, whiten)))
+    if self.state in (*ENDED, 'stopping'):
+        return dict(accepted=False, error=self._refusal(s.kind))
+    if s.kind == 'estimator':
+        s = replace(s, payload=cloudpickle.dumps((fn, whiten)))
     elif s.kind == 'config':
         s = replace(s, payload=cloudpickle.dumps((out.algo, out.optim, cloudpickle.loads(s.payload))))
     self._take(s)
     self.queued.append(s)
     return dict(accepted=True, error=None)
 
+
 @patch
-def _take(self:RunOrchestrator, s:Swap):
+def _take(self: RunOrchestrator, s: Swap):
     "Register `s`'s function in this process and change the config as `s` does (a new swap or a restored one); one that failed is only listed"
     if s.kind != 'config' and s.key is None:
         same = sum(x.kind == s.kind and x.name == s.name for x in self.swaps)
         s.key = f"swap/{s.name}" + (f"#{same + 1}" if same else '')
     if s.failed is None:
         if s.kind in ('estimator', 'loss'):
-            if s.replaces is None: s.replaces = _in_use(self.cfg.algo, s.kind)
+            if s.replaces is None:
+                s.replaces = _in_use(self.cfg.algo, s.kind)
             self.cfg = replace(self.cfg, algo=_registered(s, self.cfg.algo))
         elif s.kind == 'reward' and s.replaces is None:
             s.replaces = next((x.key for x in reversed(self.swaps) if x.kind == 'reward' and x.failed is None), None)
-        elif s.kind == 'config': self.cfg = updated_config(self.cfg, cloudpickle.loads(s.payload)[2])
+        elif s.kind == 'config':
+            self.cfg = updated_config(self.cfg, cloudpickle.loads(s.payload)[2])
     self.swaps.append(s)
 
 # %% ../nbs/15_controller.ipynb #17c22c68
-def _record(s:Swap) -> dict: return asdict(s) | dict(payload=base64.b64encode(s.payload).decode())
-def _from_record(r:dict) -> Swap: return Swap(**r | dict(payload=base64.b64decode(r['payload'])))
+def _record(s: Swap) -> dict:
+    return asdict(s) | dict(payload=base64.b64encode(s.payload).decode())
+
+
+def _from_record(r: dict) -> Swap:
+    return Swap(**r | dict(payload=base64.b64decode(r['payload'])))
+
 
 @patch
-async def _save(self:RunOrchestrator, pool_state:dict) -> str:
+async def _save(self: RunOrchestrator, pool_state: dict) -> str:
     "Checkpoint the trainer with the step, the data position and the swaps; its path"
     extra = dict(step=self.step, pool=pool_state, swaps=[_record(s) for s in self.swaps])
     path = await self._call('save', str(self.store.checkpoints), extra)
     self.store.flush()
     return path
 
-@patch
-async def _checkpoint(self:RunOrchestrator, pool): await self._save(pool.state())
 
 @patch
-async def _start(self:RunOrchestrator) -> dict:
+async def _checkpoint(self: RunOrchestrator, pool):
+    await self._save(pool.state())
+
+
+@patch
+async def _start(self: RunOrchestrator) -> dict:
     "Restore or begin the run, a resume with the swaps its checkpoint saved; the pool state to start from"
     state = await Orchestrator._start(self)
-    if not self.resume: return state
-    extra = json.loads((latest_checkpoint(self.store.checkpoints)/'state.json').read_text())['extra']
+    if not self.resume:
+        return state
+    extra = json.loads((latest_checkpoint(self.store.checkpoints) / 'state.json').read_text())['extra']
     for s in map(_from_record, extra.get('swaps', [])):
         self._take(s)
-        if s.failed: continue # listed in the swap table, never installed again
+        if s.failed:
+            continue  # listed in the swap table, never installed again
         # a swap still queued at the checkpoint (step None) is queued again: it takes effect at the first
         # resumed step, the step it was accepted for, and that step's metrics row and the swap table show it
         (self.queued if s.step is None else self.restored).append(s)
@@ -542,252 +767,395 @@ async def _start(self:RunOrchestrator) -> dict:
 
 # %% ../nbs/15_controller.ipynb #631ea380
 @patch
-def _metrics(self:RunOrchestrator, work:dict, out:dict, *args) -> dict:
+def _metrics(self: RunOrchestrator, work: dict, out: dict, *args) -> dict:
     row = Orchestrator._metrics(self, work, out, *args)
     for s in work.get('swaps', ()):
-        if s not in work.get('failures', ()): row[f"swap/{s.kind}"], row[f"swap/{s.kind}/source"] = s.name, s.source
+        if s not in work.get('failures', ()):
+            row[f"swap/{s.kind}"], row[f"swap/{s.kind}/source"] = s.name, s.source
     if work.get('failures'):
         row['swap/failed'] = ', '.join(f"{s.kind} {s.name}" for s in work['failures'])
         row['swap/failed/reason'] = '; '.join(s.failed for s in work['failures'])
-    if 'env_reward' in work: row['reward/env'] = work['env_reward']
+    if 'env_reward' in work:
+        row['reward/env'] = work['env_reward']
     return row
 
 # %% ../nbs/15_controller.ipynb #c34c7841
 @patch
-async def metrics(self:RunOrchestrator, since:int|None=None) -> pd.DataFrame:
+async def metrics(self: RunOrchestrator, since: int | None = None) -> pd.DataFrame:
     rows = self.store.rows if since is None else [r for r in self.store.rows if r['step'] > since]
     return pd.DataFrame(rows)
 
+
 @patch
-async def samples(self:RunOrchestrator, step:int|None=None) -> pd.DataFrame:
+async def samples(self: RunOrchestrator, step: int | None = None) -> pd.DataFrame:
     "The samples of `step` (default: all): a step's are all in memory (not yet flushed) or all on disk, and a dashboard mostly asks for the newest"
-    if step is None: return pd.concat([self.store.samples(), *self.store.pending], ignore_index=True)
+    if step is None:
+        return pd.concat([self.store.samples(), *self.store.pending], ignore_index=True)
     held = [p[p.step == step] for p in self.store.pending if len(p) and p.step.min() <= step <= p.step.max()]
     return pd.concat(held, ignore_index=True) if held else self.store.samples(step)
 
-@patch
-async def config(self:RunOrchestrator) -> dict: return asdict(self.cfg)
 
 @patch
-async def swap_table(self:RunOrchestrator) -> pd.DataFrame:
+async def config(self: RunOrchestrator) -> dict:
+    return asdict(self.cfg)
+
+
+@patch
+async def swap_table(self: RunOrchestrator) -> pd.DataFrame:
     "Every swap accepted: its kind, name, first step, source, and why the run went back from it if it failed"
     cols = ['kind', 'name', 'step', 'source', 'failed']
     return pd.DataFrame([{k: getattr(s, k) for k in cols} for s in self.swaps], columns=cols)
 
 # %% ../nbs/15_controller.ipynb #7d50de9e
-def auth_token_source() -> str|None:
+def auth_token_source() -> str | None:
     "Where Ray will read the auth token from, in Ray's order (None when there is none)"
-    if os.environ.get('RAY_AUTH_TOKEN'): return 'the RAY_AUTH_TOKEN variable'
-    if p := os.environ.get('RAY_AUTH_TOKEN_PATH'): # Ray does not fall back to ~/.ray/auth_token then
+    if os.environ.get('RAY_AUTH_TOKEN'):
+        return 'the RAY_AUTH_TOKEN variable'
+    if p := os.environ.get('RAY_AUTH_TOKEN_PATH'):  # Ray does not fall back to ~/.ray/auth_token then
         return f"the file RAY_AUTH_TOKEN_PATH names ({p})" if Path(p).is_file() else None
-    default = Path.home()/'.ray'/'auth_token'
+    default = Path.home() / '.ray' / 'auth_token'
     return str(default) if default.is_file() else None
 
-def _no_token(address:str) -> str:
-    p = os.environ.get('RAY_AUTH_TOKEN_PATH')
-    why = f"RAY_AUTH_TOKEN_PATH names {p}, which is not a file" if p else "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
-    return (f"connecting to {address} needs the cluster's auth token ({why}): `ray get-auth-token` on the head prints it; "
-            f"pass connect({address!r}, token=...), set RAY_AUTH_TOKEN, or copy it to ~/.ray/auth_token "
-            "(a cluster without token auth: set RAY_AUTH_MODE=disabled)")
 
-def connect(address:str|None=None, # None: a private local Ray; 'auto'; 'ray://host:port' (Ray Client); or a GCS 'host:port'
-            token:str|None=None, # the cluster's auth token (default: where Ray looks for one, see `auth_token_source`)
-            temp_dir:str|None=None, num_cpus:int|None=None, # for the local Ray only
-           ) -> dict:
+def _no_token(address: str) -> str:
+    p = os.environ.get('RAY_AUTH_TOKEN_PATH')
+    why = (
+        f"RAY_AUTH_TOKEN_PATH names {p}, which is not a file"
+        if p
+        else "no RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+    )
+    return (
+        f"connecting to {address} needs the cluster's auth token ({why}): `ray get-auth-token` on the head prints it; "
+        f"pass connect({address!r}, token=...), set RAY_AUTH_TOKEN, or copy it to ~/.ray/auth_token "
+        "(a cluster without token auth: set RAY_AUTH_MODE=disabled)"
+    )
+
+
+def connect(
+    address: str
+    | None = None,  # None: a private local Ray; 'auto'; 'ray://host:port' (Ray Client); or a GCS 'host:port'
+    token: str | None = None,  # the cluster's auth token (default: where Ray looks for one, see `auth_token_source`)
+    temp_dir: str | None = None,
+    num_cpus: int | None = None,  # for the local Ray only
+) -> dict:
     "Connect this kernel to Ray (once); what it connected to"
     import ray
+
     if not ray.is_initialized():
         # the token and the auth mode are set only while Ray reads them: afterwards Ray holds its own copies, and this
         # kernel's environment is as it was (no token inherited by `!commands`, subprocesses or a later local Ray)
         saved = {k: os.environ.get(k) for k in ('RAY_AUTH_TOKEN', 'RAY_AUTH_MODE')}
-        try: _connect(address, token, temp_dir, num_cpus)
-        except BaseException: # a failed connect leaves no connection
-            ray.shutdown(); raise
+        try:
+            _connect(address, token, temp_dir, num_cpus)
+        except BaseException:  # a failed connect leaves no connection
+            ray.shutdown()
+            raise
         finally:
             for k, v in saved.items():
-                if v is None: os.environ.pop(k, None)
-                else: os.environ[k] = v
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return dict(address=address or 'local', cpus=ray.cluster_resources().get('CPU', 0))
 
-def _connect(address:str|None, token:str|None, temp_dir:str|None, num_cpus:int|None):
+
+def _connect(address: str | None, token: str | None, temp_dir: str | None, num_cpus: int | None):
     from molt_nb.loop import reload_ray_auth
+
     cluster = address not in (None, 'local')
-    if token is not None and not cluster: raise ValueError("connect(token=...) is for a cluster's address: a private local Ray needs no token")
-    if token is not None: os.environ['RAY_AUTH_TOKEN'] = token
-    if cluster and address != 'auto': os.environ.setdefault('RAY_AUTH_MODE', 'token') # else Ray sends no token
+    if token is not None and not cluster:
+        raise ValueError("connect(token=...) is for a cluster's address: a private local Ray needs no token")
+    if token is not None:
+        os.environ['RAY_AUTH_TOKEN'] = token
+    if cluster and address != 'auto':
+        os.environ.setdefault('RAY_AUTH_MODE', 'token')  # else Ray sends no token
     source = 'the token passed to connect()' if token is not None else auth_token_source()
-    if cluster and os.environ.get('RAY_AUTH_MODE') == 'token' and source is None: raise ValueError(_no_token(address))
-    reload_ray_auth() # Ray read both when it was imported, maybe long before this call
-    if cluster and address.startswith('ray://'): _check_token(address, source)
+    if cluster and os.environ.get('RAY_AUTH_MODE') == 'token' and source is None:
+        raise ValueError(_no_token(address))
+    reload_ray_auth()  # Ray read both when it was imported, maybe long before this call
+    if cluster and address.startswith('ray://'):
+        _check_token(address, source)
     _start(address, temp_dir, num_cpus)
-    if cluster: _check_molt_nb()
+    if cluster:
+        _check_molt_nb()
 
 # %% ../nbs/15_controller.ipynb #8edb16a3
-PING_SECONDS = 15 # how long connect waits for a cluster's Ray Client server to answer at all
+PING_SECONDS = 15  # how long connect waits for a cluster's Ray Client server to answer at all
 
-def _check_token(address:str, source:str|None):
+
+def _check_token(address: str, source: str | None):
     "Ping the Ray Client server at `address` with the token Ray will send; raise at once, saying why, if it refuses or is absent"
     import grpc
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import ray_client_pb2 as pb, ray_client_pb2_grpc as pb_grpc
-    channel = init_grpc_channel(address.split('://', 1)[1]) # Ray's own channel: it adds the token as Ray Client will
-    try: pb_grpc.RayletDriverStub(channel).ClusterInfo(pb.ClusterInfoRequest(type=pb.ClusterInfoType.PING), timeout=PING_SECONDS, wait_for_ready=True)
-    except grpc.RpcError as e: code = e.code()
-    else: code = None
-    finally: channel.close()
+
+    channel = init_grpc_channel(address.split('://', 1)[1])  # Ray's own channel: it adds the token as Ray Client will
+    try:
+        pb_grpc.RayletDriverStub(channel).ClusterInfo(
+            pb.ClusterInfoRequest(type=pb.ClusterInfoType.PING), timeout=PING_SECONDS, wait_for_ready=True
+        )
+    except grpc.RpcError as e:
+        code = e.code()
+    else:
+        code = None
+    finally:
+        channel.close()
     mode = os.environ.get('RAY_AUTH_MODE')
     if code == grpc.StatusCode.UNAUTHENTICATED and mode != 'token':
-        raise PermissionError(f"the Ray Client server at {address} wants an auth token, but RAY_AUTH_MODE={mode!r} here, so none "
-                              "was sent: unset RAY_AUTH_MODE (connect then sets it to 'token') and connect again")
+        raise PermissionError(
+            f"the Ray Client server at {address} wants an auth token, but RAY_AUTH_MODE={mode!r} here, so none "
+            "was sent: unset RAY_AUTH_MODE (connect then sets it to 'token') and connect again"
+        )
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        stale = (" Ray writes that file when it starts a local Ray and finds no token, so it may be left from an earlier one."
-                 if source == str(Path.home()/'.ray'/'auth_token') else '')
-        raise PermissionError(f"the Ray Client server at {address} refused the auth token from {source}: it is not this cluster's "
-                              f"token.{stale} Run `ray get-auth-token` on the head and pass what it prints: connect({address!r}, token=...) "
-                              f"(if that is the token, this Ray {_ray_version()} sent none: molt_nb needs Ray >= 2.52)")
+        stale = (
+            " Ray writes that file when it starts a local Ray and finds no token, so it may be left from an earlier one."
+            if source == str(Path.home() / '.ray' / 'auth_token')
+            else ''
+        )
+        raise PermissionError(
+            f"the Ray Client server at {address} refused the auth token from {source}: it is not this cluster's "
+            f"token.{stale} Run `ray get-auth-token` on the head and pass what it prints: connect({address!r}, token=...) "
+            f"(if that is the token, this Ray {_ray_version()} sent none: molt_nb needs Ray >= 2.52)"
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        raise ConnectionError(f"no Ray Client server answered at {address} within {PING_SECONDS} s: check that the head runs one on "
-                              "that port (ray start --head --ray-client-server-port=PORT, default 10001) and that this machine reaches "
-                              "it, or tunnel it: ssh -N -L 10001:localhost:10001 user@head, then connect('ray://127.0.0.1:10001', token=...)")
+        raise ConnectionError(
+            f"no Ray Client server answered at {address} within {PING_SECONDS} s: check that the head runs one on "
+            "that port (ray start --head --ray-client-server-port=PORT, default 10001) and that this machine reaches "
+            "it, or tunnel it: ssh -N -L 10001:localhost:10001 user@head, then connect('ray://127.0.0.1:10001', token=...)"
+        )
 
 # %% ../nbs/15_controller.ipynb #b1b0fbd6
-def _start(address:str|None, temp_dir:str|None, num_cpus:int|None):
+def _start(address: str | None, temp_dir: str | None, num_cpus: int | None):
     import ray
+
     for attempt in range(3):
-        try: return start_ray('local' if address is None else address, temp_dir, num_cpus)
+        try:
+            return start_ray('local' if address is None else address, temp_dir, num_cpus)
         except ConnectionAbortedError as e:
             # the head's Ray Client proxy starts a server process per client, and that start can fail on a busy head
             # ("Starting Ray client server failed", or the process gone before the proxy reads its command line, in
             # start_specific_server): a fresh attempt gets a fresh process; anything else is final
-            if not any(m in str(e) for m in ('Starting Ray client server failed', 'start_specific_server')) or attempt == 2: raise
-            ray.shutdown(); time.sleep(2 + 4 * attempt)
-        except RuntimeError as e: # Ray Client's own check of both sides' versions
-            if not str(e).startswith('Version mismatch'): raise
+            if (
+                not any(m in str(e) for m in ('Starting Ray client server failed', 'start_specific_server'))
+                or attempt == 2
+            ):
+                raise
+            ray.shutdown()
+            time.sleep(2 + 4 * attempt)
+        except RuntimeError as e:  # Ray Client's own check of both sides' versions
+            if not str(e).startswith('Version mismatch'):
+                raise
             import re
-            found = re.search(r"Ray: (\S+)", str(e)) # the cluster's Ray, as Ray words it (kept as is if the wording changes)
-            raise RuntimeError(f"{e}Run this kernel with the cluster's Ray and Python minor version: "
-                               f"pip install 'ray[client]=={found[1] if found else 'VERSION'}' in a Python of the cluster's minor version") from None
+
+            found = re.search(
+                r"Ray: (\S+)", str(e)
+            )  # the cluster's Ray, as Ray words it (kept as is if the wording changes)
+            raise RuntimeError(
+                f"{e}Run this kernel with the cluster's Ray and Python minor version: "
+                f"pip install 'ray[client]=={found[1] if found else 'VERSION'}' in a Python of the cluster's minor version"
+            ) from None
+
 
 def _ray_version() -> str:
     import ray
+
     return ray.__version__
+
 
 def _check_molt_nb():
     "Raise if the cluster's workers import another molt_nb version than this kernel, or none"
     import ray, molt_nb
-    def version(): # a local function travels by value, so a cluster without molt_nb can run it
-        try: import molt_nb
-        except ImportError: return None
+
+    def version():  # a local function travels by value, so a cluster without molt_nb can run it
+        try:
+            import molt_nb
+        except ImportError:
+            return None
         return molt_nb.__version__
+
     theirs = ray.get(ray.remote(num_cpus=0)(version).remote(), timeout=120)
     if theirs != molt_nb.__version__:
-        raise RuntimeError(f"the cluster's workers have molt_nb {theirs or '(not installed)'} and this kernel {molt_nb.__version__}: "
-                           f"runs and swaps travel as pickled molt_nb objects, so install the same molt_nb on "
-                           f"both sides (pip install molt-nb=={molt_nb.__version__} on every node, or the cluster's version here)")
+        raise RuntimeError(
+            f"the cluster's workers have molt_nb {theirs or '(not installed)'} and this kernel {molt_nb.__version__}: "
+            f"runs and swaps travel as pickled molt_nb objects, so install the same molt_nb on "
+            f"both sides (pip install molt-nb=={molt_nb.__version__} on every node, or the cluster's version here)"
+        )
 
 # %% ../nbs/15_controller.ipynb #7e993f30
 class Run:
     "A handle on a run living on the cluster"
-    def __init__(self, name:str, actor): self.name, self.actor = name, actor
-    def __repr__(self): return f"Run({self.name!r})"
-    def _get(self, method:str, *args, timeout:float|None=None):
+
+    def __init__(self, name: str, actor):
+        self.name, self.actor = name, actor
+
+    def __repr__(self):
+        return f"Run({self.name!r})"
+
+    def _get(self, method: str, *args, timeout: float | None = None):
         import ray
+
         return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
-    def start(self) -> dict: return self._get('start')
-    def pause(self, after:int|None=None) -> dict: return self._get('pause', after)
-    def resume(self) -> dict: return self._get('unpause')
+
+    def start(self) -> dict:
+        return self._get('start')
+
+    def pause(self, after: int | None = None) -> dict:
+        return self._get('pause', after)
+
+    def resume(self) -> dict:
+        return self._get('unpause')
+
     def stop(self) -> dict:
         "End the run after the step in hand, with a final checkpoint; raises if it had already failed"
         st = self._get('stop')
-        if st['state'] == 'failed': raise RuntimeError(f"run {self.name!r} had already failed, so there was nothing to stop: {st['reason']}")
+        if st['state'] == 'failed':
+            raise RuntimeError(f"run {self.name!r} had already failed, so there was nothing to stop: {st['reason']}")
         return st
-    def status(self) -> dict: return self._get('status')
-    def checkpoint(self) -> str: return self._get('checkpoint')
-    def config(self) -> dict: return self._get('config')
-    def metrics(self, since:int|None=None) -> pd.DataFrame: return self._get('metrics', since)
-    def samples(self, step:int|None=None) -> pd.DataFrame: return self._get('samples', step)
-    def swaps(self) -> pd.DataFrame: return self._get('swap_table')
+
+    def status(self) -> dict:
+        return self._get('status')
+
+    def checkpoint(self) -> str:
+        return self._get('checkpoint')
+
+    def config(self) -> dict:
+        return self._get('config')
+
+    def metrics(self, since: int | None = None) -> pd.DataFrame:
+        return self._get('metrics', since)
+
+    def samples(self, step: int | None = None) -> pd.DataFrame:
+        return self._get('samples', step)
+
+    def swaps(self) -> pd.DataFrame:
+        return self._get('swap_table')
 
     def kill(self):
         "End the run now, its orchestrator and trainer, without a checkpoint (a crash, as far as its store is concerned)"
         import ray
-        try: ray.kill(ray.get_actor(f"{self.name}/trainer", namespace=NAMESPACE))
-        except ValueError: pass # an in-process trainer, or already gone
+
+        try:
+            ray.kill(ray.get_actor(f"{self.name}/trainer", namespace=NAMESPACE))
+        except ValueError:
+            pass  # an in-process trainer, or already gone
         ray.kill(self.actor)
 
 # %% ../nbs/15_controller.ipynb #166d9a0e
-def _swap(run:Run, s:Swap, *args) -> dict:
+def _swap(run: Run, s: Swap, *args) -> dict:
     out = run._get('swap', s, *args)
-    if not out['accepted']: raise SwapRejected(out['error'])
+    if not out['accepted']:
+        raise SwapRejected(out['error'])
     return run.status()
 
+
 @patch
-def set_estimator(self:Run, fn, whiten:bool=False, timeout:float|None=None) -> dict:
+def set_estimator(self: Run, fn, whiten: bool = False, timeout: float | None = None) -> dict:
     "Make `fn(x: AdvantageInput) -> (B, T)` the run's estimator from the next step (checked on the golden batches first, for at most `timeout` s)"
     return _swap(self, make_swap('estimator', fn), whiten, timeout)
 
+
 @patch
-def set_loss(self:Run, fn, timeout:float|None=None) -> dict:
+def set_loss(self: Run, fn, timeout: float | None = None) -> dict:
     "Make `fn(logp, old_logp, adv, mask, cfg) -> (B, T)` the run's policy loss from the next step"
     return _swap(self, make_swap('loss', fn), False, timeout)
 
+
 @patch
-def set_reward(self:Run, fn, timeout:float|None=None) -> dict:
+def set_reward(self: Run, fn, timeout: float | None = None) -> dict:
     "Score the run's rollouts with `fn(trajectory, text) -> float` from the next step (trajectory.reward is the environment's)"
     return _swap(self, make_swap('reward', fn), False, timeout)
 
-@patch
-def set_config(self:Run, timeout:float|None=None, **fields) -> dict:
-    "Change live config fields from the next step: set_config(optim=dict(lr=3e-4)) or set_config(**{'algo.loss.eps_high': 0.28})"
-    flat = _flatten(fields)
-    return _swap(self, Swap('config', ', '.join(flat), '\n'.join(f"{k}={v!r}" for k, v in flat.items()), cloudpickle.dumps(flat)), False, timeout)
 
 @patch
-def wait(self:Run, until_step:int|None=None, timeout:float|None=None, poll_s:float=0.5) -> dict:
+def set_config(self: Run, timeout: float | None = None, **fields) -> dict:
+    "Change live config fields from the next step: set_config(optim=dict(lr=3e-4)) or set_config(**{'algo.loss.eps_high': 0.28})"
+    flat = _flatten(fields)
+    return _swap(
+        self,
+        Swap('config', ', '.join(flat), '\n'.join(f"{k}={v!r}" for k, v in flat.items()), cloudpickle.dumps(flat)),
+        False,
+        timeout,
+    )
+
+
+@patch
+def wait(self: Run, until_step: int | None = None, timeout: float | None = None, poll_s: float = 0.5) -> dict:
     "Block until the run ends, reaches `until_step`, or pauses because a swap failed in it; its status. Raises if it failed"
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         st = self.status()
-        if st['state'] == 'failed': raise RuntimeError(f"run {self.name!r} failed: {st['reason']}")
-        if st['state'] in ENDED or (until_step is not None and st['step'] >= until_step): return st
-        if st['state'] == 'paused' and st['failed_swap']: return st
-        if deadline is not None and time.monotonic() > deadline: raise TimeoutError(f"run {self.name!r} is at step {st['step']} ({st['state']}) after {timeout} s")
+        if st['state'] == 'failed':
+            raise RuntimeError(f"run {self.name!r} failed: {st['reason']}")
+        if st['state'] in ENDED or (until_step is not None and st['step'] >= until_step):
+            return st
+        if st['state'] == 'paused' and st['failed_swap']:
+            return st
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"run {self.name!r} is at step {st['step']} ({st['state']}) after {timeout} s")
         time.sleep(poll_s)
 
 # %% ../nbs/15_controller.ipynb #f08970e0
-def launch(config, # a RunConfig, or a recipe directory
-           name:str|None=None, # the run's name on the cluster (default: its run directory's name)
-           resume:bool=False, # continue from the run store's latest checkpoint
-           start:bool=True, # begin the loop now (else call run.start())
-          ) -> Run:
+def launch(
+    config,  # a RunConfig, or a recipe directory
+    name: str | None = None,  # the run's name on the cluster (default: its run directory's name)
+    resume: bool = False,  # continue from the run store's latest checkpoint
+    start: bool = True,  # begin the loop now (else call run.start())
+) -> Run:
     "Start a run as a detached named actor that outlives this kernel"
     import ray
+
     cfg = config if isinstance(config, RunConfig) else load_config(config)
     # a broken recipe is named here, in seconds (a tiny stand-in model runs one rollout), not in the run's status later
     check_recipe(cfg)
-    if not ray.is_initialized(): connect()
+    if not ray.is_initialized():
+        connect()
     name = name or Path(cfg.run_dir).name
-    try: ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError: pass
-    else: raise ValueError(f"a run named {name!r} is already on this cluster: attach({name!r}) to it, or stop it first, or launch under another name")
-    actor = ray.remote(RunOrchestrator).options(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0).remote(cfg, None, resume, name)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(
+            f"a run named {name!r} is already on this cluster: attach({name!r}) to it, or stop it first, or launch under another name"
+        )
+    actor = (
+        ray.remote(RunOrchestrator)
+        .options(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0)
+        .remote(cfg, None, resume, name)
+    )
     run = Run(name, actor)
-    if start: run.start()
+    if start:
+        run.start()
     return run
 
-def attach(name:str) -> Run:
+
+def attach(name: str) -> Run:
     "The handle of the run `name` (after a kernel restart, or from another driver)"
     import ray
-    if not ray.is_initialized(): raise RuntimeError("not connected to Ray: call connect(address) first")
-    try: return Run(name, ray.get_actor(name, namespace=NAMESPACE))
-    except ValueError: raise ValueError(f"no run named {name!r} on this cluster; the runs are {list(runs().name)}") from None
+
+    if not ray.is_initialized():
+        raise RuntimeError("not connected to Ray: call connect(address) first")
+    try:
+        return Run(name, ray.get_actor(name, namespace=NAMESPACE))
+    except ValueError:
+        raise ValueError(f"no run named {name!r} on this cluster; the runs are {list(runs().name)}") from None
+
 
 def runs() -> pd.DataFrame:
     "The runs on the cluster, with their state and step"
     import ray
-    names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True) if a['namespace'] == NAMESPACE and not a['name'].endswith('/trainer'))
+
+    names = sorted(
+        a['name']
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a['namespace'] == NAMESPACE and not a['name'].endswith('/trainer')
+    )
     rows = []
     for n in names:
-        try: rows.append(Run(n, ray.get_actor(n, namespace=NAMESPACE)).status())
-        except Exception as e: rows.append(dict(name=n, state='unreachable', reason=_one_line(e)))
-    return pd.DataFrame(rows, columns=['name', 'state', 'step', 'steps', 'version', 'reward', 'swaps', 'queued', 'reason'])
+        try:
+            rows.append(Run(n, ray.get_actor(n, namespace=NAMESPACE)).status())
+        except Exception as e:
+            rows.append(dict(name=n, state='unreachable', reason=_one_line(e)))
+    return pd.DataFrame(
+        rows, columns=['name', 'state', 'step', 'steps', 'version', 'reward', 'swaps', 'queued', 'reason']
+    )

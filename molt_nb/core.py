@@ -19,21 +19,35 @@ from fastcore.basics import patch
 @dataclass(frozen=True)
 class SamplingParams:
     "How the engine samples one turn (validated, immutable: change it with `replace`)"
-    temperature:float=1.0 # softmax temperature; 0 means greedy (argmax of the logits)
-    top_p:float=1.0 # nucleus mass in (0, 1]; 1 means off
-    top_k:int=-1 # keep the k most likely tokens; -1 or 0 means off
-    max_tokens:int=64 # most tokens sampled in this turn
-    stop_token_ids:tuple=() # ids that end the turn (the stop token is kept)
+
+    temperature: float = 1.0  # softmax temperature; 0 means greedy (argmax of the logits)
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 means off
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 means off
+    max_tokens: int = 64  # most tokens sampled in this turn
+    stop_token_ids: tuple = ()  # ids that end the turn (the stop token is kept)
 
     def __post_init__(self):
-        def bad(name, expected, fix): raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}: {fix}")
+        def bad(name, expected, fix):
+            raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}: {fix}")
+
         t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0: bad('temperature', 'a finite number >= 0', 'use 0 for greedy decoding or a positive temperature such as 1.0')
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1: bad('top_p', 'in (0, 1]', 'use 1.0 to turn nucleus sampling off')
-        if not isinstance(self.top_k, int) or self.top_k < -1: bad('top_k', '-1, 0 or >= 1', 'use -1 to turn top-k off')
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1: bad('max_tokens', 'an int >= 1', 'allow at least one new token per turn')
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            bad(
+                'temperature', 'a finite number >= 0', 'use 0 for greedy decoding or a positive temperature such as 1.0'
+            )
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad('top_p', 'in (0, 1]', 'use 1.0 to turn nucleus sampling off')
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad('top_k', '-1, 0 or >= 1', 'use -1 to turn top-k off')
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad('max_tokens', 'an int >= 1', 'allow at least one new token per turn')
         ids = tuple(self.stop_token_ids)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids): bad('stop_token_ids', 'non-negative ints', 'pass token ids from the tokenizer, e.g. (tokenizer.eos_token_id,)')
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            bad(
+                'stop_token_ids',
+                'non-negative ints',
+                'pass token ids from the tokenizer, e.g. (tokenizer.eos_token_id,)',
+            )
         object.__setattr__(self, 'stop_token_ids', ids)
 
     def replace(self, **changes) -> 'SamplingParams':
@@ -41,28 +55,32 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 # %% ../nbs/00_core.ipynb #3a7cbfd9
-def _per_row(value, x:Tensor, dtype=torch.float32) -> Tensor:
+def _per_row(value, x: Tensor, dtype=torch.float32) -> Tensor:
     "`value` (a scalar or a tensor broadcastable to `x.shape[:-1]`) as a `(..., 1)` tensor on `x`'s device"
     return torch.as_tensor(value, dtype=dtype, device=x.device).broadcast_to(x.shape[:-1]).unsqueeze(-1)
 
-def filters_off(top_k, top_p, vocab_size:int) -> bool:
+
+def filters_off(top_k, top_p, vocab_size: int) -> bool:
     "True when no row filters by top-k or top-p, so the logits need no sort"
-    if isinstance(top_k, int) and isinstance(top_p, (int, float)): return (top_k <= 0 or top_k >= vocab_size) and top_p >= 1
+    if isinstance(top_k, int) and isinstance(top_p, (int, float)):
+        return (top_k <= 0 or top_k >= vocab_size) and top_p >= 1
     k, p = torch.as_tensor(top_k), torch.as_tensor(top_p)
     return bool(((k <= 0) | (k >= vocab_size)).all() and (p >= 1).all())
 
 # %% ../nbs/00_core.ipynb #ce504d4b
-def process_logits(logits:Tensor, # (..., V) raw logits, any float dtype
-                   temperature=1.0, # scalar or (...) per row; 0 means greedy (scaled as 1)
-                   top_k=-1, # scalar or (...) per row; keep logits >= the k-th largest; <= 0 or >= V is off
-                   top_p=1.0, # scalar or (...) per row; nucleus mass over the top-k distribution; 1 is off
-                  ) -> Tensor: # (..., V) float32 logits, -inf where a token cannot be sampled
+def process_logits(
+    logits: Tensor,  # (..., V) raw logits, any float dtype
+    temperature=1.0,  # scalar or (...) per row; 0 means greedy (scaled as 1)
+    top_k=-1,  # scalar or (...) per row; keep logits >= the k-th largest; <= 0 or >= V is off
+    top_p=1.0,  # scalar or (...) per row; nucleus mass over the top-k distribution; 1 is off
+) -> Tensor:  # (..., V) float32 logits, -inf where a token cannot be sampled
     "The logits tokens are sampled from: temperature, then top-k, then top-p, filtered entries set to -inf"
     x = logits.float()
     t = _per_row(temperature, x)
     x = x / torch.where(t > 0, t, torch.ones_like(t))
     V = x.shape[-1]
-    if filters_off(top_k, top_p, V): return x  # the engine's hot path: no sort
+    if filters_off(top_k, top_p, V):
+        return x  # the engine's hot path: no sort
     ranked = torch.sort(x, dim=-1, descending=True).values
     k = _per_row(top_k, x, torch.int64)
     k = torch.where((k <= 0) | (k > V), V, k)
@@ -76,12 +94,13 @@ def process_logits(logits:Tensor, # (..., V) raw logits, any float dtype
     return x.masked_fill(x < threshold, float('-inf'))
 
 # %% ../nbs/00_core.ipynb #264f5ea6
-def token_logprobs(logits:Tensor, # (..., V) raw logits
-                   token_ids:Tensor, # (...) ids whose logprobs are wanted
-                   temperature=1.0, # as in `process_logits`
-                   top_k=-1, # as in `process_logits`
-                   top_p=1.0, # as in `process_logits`
-                  ) -> Tensor: # (...) float32 logprobs (-inf for a filtered token)
+def token_logprobs(
+    logits: Tensor,  # (..., V) raw logits
+    token_ids: Tensor,  # (...) ids whose logprobs are wanted
+    temperature=1.0,  # as in `process_logits`
+    top_k=-1,  # as in `process_logits`
+    top_p=1.0,  # as in `process_logits`
+) -> Tensor:  # (...) float32 logprobs (-inf for a filtered token)
     "Logprobs of `token_ids` under the distribution `process_logits` defines"
     logp = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)
     return logp.gather(-1, token_ids[..., None].long())[..., 0]
@@ -90,350 +109,515 @@ def token_logprobs(logits:Tensor, # (..., V) raw logits
 @dataclass(eq=False)
 class Segment:
     "One token-exact stretch of a rollout's context, with per-token behaviour logprobs and policy versions"
-    token_ids:Tensor # (T,) int64 ids of the whole context: prompt, actions, observations
-    action_mask:Tensor # (T,) bool, True where the policy sampled the token
-    logprobs:Tensor # (T,) float32 behaviour logprob; exactly 0.0 on non-action tokens
-    versions:Tensor # (T,) int32 policy version that sampled the token; -1 on non-action tokens
-    routes:Tensor|None=None # (T, layers, top_k) int16 MoE expert ids of each token, -1 where unknown
-    images:list|None=None # images referenced by the context, in order
-    vocab_size:int|None=field(default=None, repr=False, compare=False) # when given, ids must be < vocab_size
+
+    token_ids: Tensor  # (T,) int64 ids of the whole context: prompt, actions, observations
+    action_mask: Tensor  # (T,) bool, True where the policy sampled the token
+    logprobs: Tensor  # (T,) float32 behaviour logprob; exactly 0.0 on non-action tokens
+    versions: Tensor  # (T,) int32 policy version that sampled the token; -1 on non-action tokens
+    routes: Tensor | None = None  # (T, layers, top_k) int16 MoE expert ids of each token, -1 where unknown
+    images: list | None = None  # images referenced by the context, in order
+    vocab_size: int | None = field(default=None, repr=False, compare=False)  # when given, ids must be < vocab_size
 
     def __post_init__(self):
         self.token_ids = _as(self.token_ids, torch.int64, 'Segment.token_ids')
         as_ = lambda name, dtype: _as(getattr(self, name), dtype, f"Segment.{name}", self.token_ids.device)
         self.action_mask, self.logprobs = as_('action_mask', torch.bool), as_('logprobs', torch.float32)
         self.versions = as_('versions', torch.int32)
-        if self.routes is not None: self.routes = as_('routes', torch.int16)
+        if self.routes is not None:
+            self.routes = as_('routes', torch.int16)
         _check_shapes(self)
         _check_values(self)
 
 # %% ../nbs/00_core.ipynb #4845a04e
-_PER_TOKEN = dict(action_mask='flag per token (True where the policy sampled it)',
-                  logprobs='logprob per token (0.0 on non-action tokens)',
-                  versions='version per token (-1 on non-action tokens)')
+_PER_TOKEN = dict(
+    action_mask='flag per token (True where the policy sampled it)',
+    logprobs='logprob per token (0.0 on non-action tokens)',
+    versions='version per token (-1 on non-action tokens)',
+)
 
-def _check_shapes(s:Segment):
+
+def _check_shapes(s: Segment):
     "Raise unless every per-token field of `s` has one entry per token"
-    if s.token_ids.ndim != 1: raise ValueError(f"Segment.token_ids has shape {tuple(s.token_ids.shape)}, expected (T,): pass one flat sequence of ids")
+    if s.token_ids.ndim != 1:
+        raise ValueError(
+            f"Segment.token_ids has shape {tuple(s.token_ids.shape)}, expected (T,): pass one flat sequence of ids"
+        )
     T = len(s.token_ids)
-    if T == 0: raise ValueError("Segment.token_ids is empty: a segment holds at least one token (start from Segment.prompt(prompt_ids))")
+    if T == 0:
+        raise ValueError(
+            "Segment.token_ids is empty: a segment holds at least one token (start from Segment.prompt(prompt_ids))"
+        )
     for name, what in _PER_TOKEN.items():
         v = getattr(s, name)
         got = f"{len(v)} entries" if v.ndim == 1 else f"shape {tuple(v.shape)}"
-        if v.shape != (T,): raise ValueError(f"Segment.{name} has {got} but token_ids has {T}: give one {what}")
+        if v.shape != (T,):
+            raise ValueError(f"Segment.{name} has {got} but token_ids has {T}: give one {what}")
     r = s.routes
-    if r is None: return
-    if r.ndim != 3: raise ValueError(f"Segment.routes has shape {tuple(r.shape)}, expected (T, layers, top_k) = ({T}, layers, top_k): one row of expert ids per token and MoE layer")
-    if len(r) != T: raise ValueError(f"Segment.routes has {len(r)} entries but token_ids has {T}: give one routes row per token (-1 where unknown)")
+    if r is None:
+        return
+    if r.ndim != 3:
+        raise ValueError(
+            f"Segment.routes has shape {tuple(r.shape)}, expected (T, layers, top_k) = ({T}, layers, top_k): one row of expert ids per token and MoE layer"
+        )
+    if len(r) != T:
+        raise ValueError(
+            f"Segment.routes has {len(r)} entries but token_ids has {T}: give one routes row per token (-1 where unknown)"
+        )
 
 # %% ../nbs/00_core.ipynb #0b1254a5
-def _first(bad:Tensor) -> tuple:
+def _first(bad: Tensor) -> tuple:
     "Index of the first True entry of `bad`"
     i = tuple(bad.nonzero()[0].tolist())
     return i[0] if len(i) == 1 else i
 
-def _as(value, dtype, name:str, device=None) -> Tensor:
+
+def _as(value, dtype, name: str, device=None) -> Tensor:
     "`value` as a `dtype` tensor; for an integer dtype, raise on an entry that is not a whole number"
     t = torch.as_tensor(value, device=device)
-    if dtype.is_floating_point or not t.is_floating_point(): return torch.as_tensor(t, dtype=dtype)  # the fast path
-    if not isinstance(value, Tensor): t = torch.as_tensor(value, dtype=torch.float64, device=device)  # exact ids > 2**24
+    if dtype.is_floating_point or not t.is_floating_point():
+        return torch.as_tensor(t, dtype=dtype)  # the fast path
+    if not isinstance(value, Tensor):
+        t = torch.as_tensor(value, dtype=torch.float64, device=device)  # exact ids > 2**24
     bad = ~t.isfinite() | (t != t.round())
     if bool(bad.any()):
-        raise ValueError(f"{name} has {t[_first(bad)].item()} at position {_first(bad)}, not a whole number: "
-                         f"a cast to {str(dtype).removeprefix('torch.')} would truncate it; pass integers")
+        raise ValueError(
+            f"{name} has {t[_first(bad)].item()} at position {_first(bad)}, not a whole number: "
+            f"a cast to {str(dtype).removeprefix('torch.')} would truncate it; pass integers"
+        )
     return t.to(dtype)
 
-def _bad_logprob(lp:Tensor) -> Tensor:
+
+def _bad_logprob(lp: Tensor) -> Tensor:
     "Where `lp` cannot be the logprob of a sampled token: NaN, ±inf or > 0"
     return ~((lp > -math.inf) & (lp <= 0))  # NaN fails both; cheaper than isfinite on the hot path
 
-def _check_token_ids(ids:Tensor, vocab_size:int|None, where:str):
+
+def _check_token_ids(ids: Tensor, vocab_size: int | None, where: str):
     "Raise if an id in `ids` is negative or, when `vocab_size` is given, >= vocab_size"
     bad = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
-    if not bad.any(): return
+    if not bad.any():
+        return
     i, expected = _first(bad), 'ids >= 0' if vocab_size is None else f"ids in [0, {vocab_size})"
-    raise ValueError(f"{where} has id {int(ids[i])} at position {i}, outside the vocabulary: expected {expected}; tokens must come from the tokenizer of the model that trains on them")
+    raise ValueError(
+        f"{where} has id {int(ids[i])} at position {i}, outside the vocabulary: expected {expected}; tokens must come from the tokenizer of the model that trains on them"
+    )
 
-def _check_values(s:Segment):
+
+def _check_values(s: Segment):
     "Raise if `s` has a bad id, logprob, version or route, or an action on token 0"
     act, lp, ids = s.action_mask, s.logprobs, s.token_ids
     # one fused test on the fast path (segments are built for every turn of every rollout); messages only on failure
     bad = (ids < 0) | (act & _bad_logprob(lp)) | (act & (s.versions < 0)) | (~act & (lp != 0))
     bad[:1] |= act[:1]
-    if s.vocab_size is not None: bad |= ids >= s.vocab_size
-    if not bool(bad.any()) and (s.routes is None or not bool((s.routes < -1).any())): return
+    if s.vocab_size is not None:
+        bad |= ids >= s.vocab_size
+    if not bool(bad.any()) and (s.routes is None or not bool((s.routes < -1).any())):
+        return
     _check_token_ids(s.token_ids, s.vocab_size, 'Segment.token_ids')
     _check_actions(s)
-    if s.routes is None or not (bad := s.routes < -1).any(): return
-    raise ValueError(f"Segment.routes has value {int(s.routes[_first(bad)])} at (token, layer, slot) {_first(bad)}: "
-                     "expert ids are >= 0 and -1 means unknown")
+    if s.routes is None or not (bad := s.routes < -1).any():
+        return
+    raise ValueError(
+        f"Segment.routes has value {int(s.routes[_first(bad)])} at (token, layer, slot) {_first(bad)}: "
+        "expert ids are >= 0 and -1 means unknown"
+    )
 
-def _check_actions(s:Segment):
+
+def _check_actions(s: Segment):
     "Raise, saying why, if the action flags, logprobs or versions of `s` disagree"
     act, lp, vs = s.action_mask, s.logprobs, s.versions
     if act[0]:
-        raise ValueError("Segment.action_mask is True at position 0: the first token of a segment is context (no token "
-                         "precedes it, so no forward scores it) and cannot be an action; start the segment with its "
-                         "prompt, e.g. Segment.prompt(ids).extend(sampled_ids, logprobs, version)")
+        raise ValueError(
+            "Segment.action_mask is True at position 0: the first token of a segment is context (no token "
+            "precedes it, so no forward scores it) and cannot be an action; start the segment with its "
+            "prompt, e.g. Segment.prompt(ids).extend(sampled_ids, logprobs, version)"
+        )
     if (bad := ~act & (lp != 0)).any():
-        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at position {_first(bad)}, a non-action token "
-                         f"({int(bad.sum())} such tokens): behaviour logprobs belong to action tokens; use 0.0 "
-                         "elsewhere or mark the token in action_mask")
+        raise ValueError(
+            f"Segment.logprobs is {lp[_first(bad)].item()} at position {_first(bad)}, a non-action token "
+            f"({int(bad.sum())} such tokens): behaviour logprobs belong to action tokens; use 0.0 "
+            "elsewhere or mark the token in action_mask"
+        )
     if (bad := act & ~lp.isfinite()).any():
-        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a sampled "
-                         "token needs a finite logprob under the distribution it was sampled from (process_logits)")
+        raise ValueError(
+            f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a sampled "
+            "token needs a finite logprob under the distribution it was sampled from (process_logits)"
+        )
     if (bad := act & (lp > 0)).any():
-        raise ValueError(f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a logprob "
-                         "is log(p) <= 0; pass the engine's logprob of the sampled token, not a logit or a probability")
+        raise ValueError(
+            f"Segment.logprobs is {lp[_first(bad)].item()} at action position {_first(bad)}: a logprob "
+            "is log(p) <= 0; pass the engine's logprob of the sampled token, not a logit or a probability"
+        )
     if (bad := act & (vs < 0)).any():
-        raise ValueError(f"Segment.versions is {int(vs[_first(bad)])} at action position {_first(bad)} "
-                         f"({int(bad.sum())} action tokens without a version): every sampled token needs the policy "
-                         "version (>= 0) that produced it")
+        raise ValueError(
+            f"Segment.versions is {int(vs[_first(bad)])} at action position {_first(bad)} "
+            f"({int(bad.sum())} action tokens without a version): every sampled token needs the policy "
+            "version (>= 0) that produced it"
+        )
 
 # %% ../nbs/00_core.ipynb #2e905f7c
 @patch(as_prop=True)
-def num_actions(self:Segment) -> int:
+def num_actions(self: Segment) -> int:
     "Number of tokens the policy sampled"
     return int(self.action_mask.sum())
 
-@patch
-def __len__(self:Segment) -> int: return len(self.token_ids)
 
 @patch
-def __eq__(self:Segment, other) -> bool:
+def __len__(self: Segment) -> int:
+    return len(self.token_ids)
+
+
+@patch
+def __eq__(self: Segment, other) -> bool:
     "Equal when every token-level field and the images match exactly"
-    if not isinstance(other, Segment): return NotImplemented
+    if not isinstance(other, Segment):
+        return NotImplemented
     same = lambda a, b: (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
     names = ('token_ids', 'action_mask', 'logprobs', 'versions', 'routes')
     return all(same(getattr(self, n), getattr(other, n)) for n in names) and self.images == other.images
 
 # %% ../nbs/00_core.ipynb #34788999
 @patch(cls_method=True)
-def prompt(cls:Segment, token_ids, # (T,) prompt ids
-           vocab_size:int|None=None, # when given, ids must be < vocab_size
-          ) -> Segment:
+def prompt(
+    cls: Segment,
+    token_ids,  # (T,) prompt ids
+    vocab_size: int | None = None,  # when given, ids must be < vocab_size
+) -> Segment:
     "A segment of prompt tokens only (nothing sampled yet)"
     ids = _as(token_ids, torch.int64, 'Segment.token_ids')
-    fields = (ids, torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids, dtype=torch.float32), torch.full_like(ids, -1, dtype=torch.int32))
-    if ids.ndim != 1 or not len(ids) or bool(_bad_ids(ids, vocab_size).any()): return cls(*fields, vocab_size=vocab_size) # raises, saying what is wrong
+    fields = (
+        ids,
+        torch.zeros_like(ids, dtype=torch.bool),
+        torch.zeros_like(ids, dtype=torch.float32),
+        torch.full_like(ids, -1, dtype=torch.int32),
+    )
+    if ids.ndim != 1 or not len(ids) or bool(_bad_ids(ids, vocab_size).any()):
+        return cls(*fields, vocab_size=vocab_size)  # raises, saying what is wrong
     return _trusted(*fields, None, None, vocab_size)
 
-def _bad_ids(ids:Tensor, vocab_size:int|None) -> Tensor:
+
+def _bad_ids(ids: Tensor, vocab_size: int | None) -> Tensor:
     return (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
+
 
 def _trusted(token_ids, action_mask, logprobs, versions, routes, images, vocab_size) -> Segment:
     "A Segment from fields known to be valid, not checked again (segments are built for every turn)"
     # only `prompt` (no actions) and `extend` (appends after at least one token) call it: token 0 is never an action
     s = object.__new__(Segment)
-    s.token_ids, s.action_mask, s.logprobs, s.versions, s.routes, s.images, s.vocab_size = token_ids, action_mask, logprobs, versions, routes, images, vocab_size
+    s.token_ids, s.action_mask, s.logprobs, s.versions, s.routes, s.images, s.vocab_size = (
+        token_ids,
+        action_mask,
+        logprobs,
+        versions,
+        routes,
+        images,
+        vocab_size,
+    )
     return s
 
-def _appended(value, n:int, dtype, fill, name:str, device) -> Tensor:
+
+def _appended(value, n: int, dtype, fill, name: str, device) -> Tensor:
     "`value` for `n` appended tokens: `fill` when None, a scalar repeated, or one entry per token"
-    if value is None: return torch.full((n,), fill, dtype=dtype, device=device)
+    if value is None:
+        return torch.full((n,), fill, dtype=dtype, device=device)
     v = _as(value, dtype, f"Segment.extend {name}", device)
     v = v.expand(n) if v.ndim == 0 else v
-    if v.shape != (n,): raise ValueError(f"Segment.extend got {name} of shape {tuple(v.shape)} for {n} new tokens: give one per appended token")
+    if v.shape != (n,):
+        raise ValueError(
+            f"Segment.extend got {name} of shape {tuple(v.shape)} for {n} new tokens: give one per appended token"
+        )
     return v
 
 # %% ../nbs/00_core.ipynb #b3b21037
-def _joined_routes(old:Tensor|None, new, n_old:int, n:int, device) -> Tensor|None:
+def _joined_routes(old: Tensor | None, new, n_old: int, n: int, device) -> Tensor | None:
     "Routes of a segment's `n_old` tokens then `n` new ones, -1 on whichever side has none"
-    if old is None and new is None: return None
+    if old is None and new is None:
+        return None
     new = None if new is None else _as(new, torch.int16, 'Segment.extend routes', device)
     shape = (old if old is not None else new).shape[1:]
-    if new is None: new = torch.full((n, *shape), -1, dtype=torch.int16, device=device)
-    if old is not None and old.shape[1:] != new.shape[1:]: raise ValueError(f"Segment.extend got routes of (layers, top_k) {tuple(new.shape[1:])} but the segment has {tuple(old.shape[1:])}: all routes of a segment come from one model")
-    if old is None: old = torch.full((n_old, *new.shape[1:]), -1, dtype=torch.int16, device=device)
+    if new is None:
+        new = torch.full((n, *shape), -1, dtype=torch.int16, device=device)
+    if old is not None and old.shape[1:] != new.shape[1:]:
+        raise ValueError(
+            f"Segment.extend got routes of (layers, top_k) {tuple(new.shape[1:])} but the segment has {tuple(old.shape[1:])}: all routes of a segment come from one model"
+        )
+    if old is None:
+        old = torch.full((n_old, *new.shape[1:]), -1, dtype=torch.int16, device=device)
     return torch.cat([old, new])
 
+
 @patch
-def extend(self:Segment, token_ids, # (n,) ids to append
-           logprobs=None, # (n,) behaviour logprobs of sampled tokens; None for observation tokens
-           versions=None, # (n,) or scalar policy version of sampled tokens; None for observation tokens
-           routes=None, # (n, layers, top_k) expert ids of the new tokens; -1 when omitted
-          ) -> Segment:
+def extend(
+    self: Segment,
+    token_ids,  # (n,) ids to append
+    logprobs=None,  # (n,) behaviour logprobs of sampled tokens; None for observation tokens
+    versions=None,  # (n,) or scalar policy version of sampled tokens; None for observation tokens
+    routes=None,  # (n, layers, top_k) expert ids of the new tokens; -1 when omitted
+) -> Segment:
     "A new segment with `token_ids` appended: sampled tokens when logprobs and versions are given, observations when neither"
-    if (logprobs is None) != (versions is None): raise ValueError(f"Segment.extend got {'logprobs' if versions is None else 'versions'} without {'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation tokens")
+    if (logprobs is None) != (versions is None):
+        raise ValueError(
+            f"Segment.extend got {'logprobs' if versions is None else 'versions'} without {'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation tokens"
+        )
     dev = self.token_ids.device
     ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
     n, sampled = len(ids), logprobs is not None
-    lp, vs = _appended(logprobs, n, torch.float32, 0., 'logprobs', dev), _appended(versions, n, torch.int32, -1, 'versions', dev)
+    lp, vs = (
+        _appended(logprobs, n, torch.float32, 0.0, 'logprobs', dev),
+        _appended(versions, n, torch.int32, -1, 'versions', dev),
+    )
     new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
-    fields = (torch.cat([self.token_ids, ids]), torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
-              torch.cat([self.logprobs, lp]), torch.cat([self.versions, vs]), _joined_routes(self.routes, new_routes, len(self), n, dev), self.images, self.vocab_size)
+    fields = (
+        torch.cat([self.token_ids, ids]),
+        torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
+        torch.cat([self.logprobs, lp]),
+        torch.cat([self.versions, vs]),
+        _joined_routes(self.routes, new_routes, len(self), n, dev),
+        self.images,
+        self.vocab_size,
+    )
     # `self` was checked when it was built: only the appended tokens need checking (the constructor explains a failure)
     bad = _bad_ids(ids, self.vocab_size) | ((_bad_logprob(lp) | (vs < 0)) if sampled else (lp != 0))
-    if bool(bad.any()) or (new_routes is not None and bool((new_routes < -1).any())): return Segment(*fields)
+    if bool(bad.any()) or (new_routes is not None and bool((new_routes < -1).any())):
+        return Segment(*fields)
     return _trusted(*fields)
 
 # %% ../nbs/00_core.ipynb #2714f403
-def _number(value, name:str) -> float:
+def _number(value, name: str) -> float:
     "A finite python float from a number or a 1-element tensor, else a ValueError naming `name`"
     if isinstance(value, Tensor):
-        if value.numel() != 1: raise ValueError(f"{name} must be a number or a 1-element tensor, got a tensor of shape {tuple(value.shape)}: reduce it first (e.g. .sum())")
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a 1-element tensor, got a tensor of shape {tuple(value.shape)}: reduce it first (e.g. .sum())"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}: return a float (e.g. 0.0 for a failed attempt)")
+        raise ValueError(
+            f"{name} must be a finite number, got {value!r}: return a float (e.g. 0.0 for a failed attempt)"
+        )
     return float(value)
 
-def _route_shape(segments:list, where:str) -> tuple|None:
+
+def _route_shape(segments: list, where: str) -> tuple | None:
     "The (layers, top_k) shared by every segment's routes, None when no segment has routes"
     shapes = {tuple(s.routes.shape[1:]) for s in segments if s.routes is not None}
-    if len(shapes) > 1: raise ValueError(f"{where}: segments have routes of different (layers, top_k) {sorted(shapes)}: routes must come from one model")
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{where}: segments have routes of different (layers, top_k) {sorted(shapes)}: routes must come from one model"
+        )
     return shapes.pop() if shapes else None
 
 # %% ../nbs/00_core.ipynb #711f4756
 @dataclass
 class Trajectory:
     "One rollout: its segments, reward and the ids that tie it to its prompt group"
-    rollout_id:str # unique per rollout
-    group_id:str # shared by the rollouts of one prompt
-    prompt_index:int # index of the prompt in the dataset
-    segments:list=field(default_factory=list) # Segments in order; at least one unless `error` is set
-    reward:float=0.0 # the rollout's reward (a 1-element tensor is accepted)
-    score:float|None=None # for filtering; defaults to the reward
-    info:dict=field(default_factory=dict) # extra per-rollout values to log
-    truncated:bool=False # the rollout hit a length or turn limit
-    error:str|None=None # why the rollout failed, if it did; a failed rollout is never trained on
+
+    rollout_id: str  # unique per rollout
+    group_id: str  # shared by the rollouts of one prompt
+    prompt_index: int  # index of the prompt in the dataset
+    segments: list = field(default_factory=list)  # Segments in order; at least one unless `error` is set
+    reward: float = 0.0  # the rollout's reward (a 1-element tensor is accepted)
+    score: float | None = None  # for filtering; defaults to the reward
+    info: dict = field(default_factory=dict)  # extra per-rollout values to log
+    truncated: bool = False  # the rollout hit a length or turn limit
+    error: str | None = None  # why the rollout failed, if it did; a failed rollout is never trained on
 
     def __post_init__(self):
         self.reward = _number(self.reward, 'Trajectory.reward')
         self.score = self.reward if self.score is None else _number(self.score, 'Trajectory.score')
         self.segments = [self.segments] if isinstance(self.segments, Segment) else list(self.segments)
         for i, s in enumerate(self.segments):
-            if not isinstance(s, Segment): raise ValueError(f"Trajectory.segments[{i}] is a {type(s).__name__}, expected a Segment: build one with Segment.prompt(ids).extend(...)")
-        if not self.segments and self.error is None: raise ValueError(f"Trajectory.segments is empty for rollout {self.rollout_id!r}: give at least one Segment, or set error=... for a failed rollout")
+            if not isinstance(s, Segment):
+                raise ValueError(
+                    f"Trajectory.segments[{i}] is a {type(s).__name__}, expected a Segment: build one with Segment.prompt(ids).extend(...)"
+                )
+        if not self.segments and self.error is None:
+            raise ValueError(
+                f"Trajectory.segments is empty for rollout {self.rollout_id!r}: give at least one Segment, or set error=... for a failed rollout"
+            )
         _route_shape(self.segments, f"Trajectory {self.rollout_id!r}")
 
 # %% ../nbs/00_core.ipynb #4f49eadc
 @dataclass
 class Result:
     "What an agent returns for a turn or an episode (mirrors Gymnasium's step tuple)"
-    reward:float # the reward (a 1-element tensor is accepted)
-    observation:str="" # text the environment answers with
-    terminated:bool=True # the episode reached its end
-    truncated:bool=False # the episode was cut off by a limit
-    info:dict=field(default_factory=dict) # extra values; numeric ones are logged
-    score:float|None=None # for filtering; defaults to the reward
-    images:list|None=None # images that come with the observation
-    sampling:SamplingParams|None=None # override the sampling parameters of the next turn
+
+    reward: float  # the reward (a 1-element tensor is accepted)
+    observation: str = ""  # text the environment answers with
+    terminated: bool = True  # the episode reached its end
+    truncated: bool = False  # the episode was cut off by a limit
+    info: dict = field(default_factory=dict)  # extra values; numeric ones are logged
+    score: float | None = None  # for filtering; defaults to the reward
+    images: list | None = None  # images that come with the observation
+    sampling: SamplingParams | None = None  # override the sampling parameters of the next turn
 
     def __post_init__(self):
         self.reward = _number(self.reward, 'Result.reward')
         self.score = self.reward if self.score is None else _number(self.score, 'Result.score')
-        if isinstance(self.sampling, dict): self.sampling = SamplingParams(**self.sampling)
-        if not (self.sampling is None or isinstance(self.sampling, SamplingParams)): raise ValueError(f"Result.sampling is a {type(self.sampling).__name__}, expected SamplingParams or None: build it with SamplingParams(...)")
+        if isinstance(self.sampling, dict):
+            self.sampling = SamplingParams(**self.sampling)
+        if not (self.sampling is None or isinstance(self.sampling, SamplingParams)):
+            raise ValueError(
+                f"Result.sampling is a {type(self.sampling).__name__}, expected SamplingParams or None: build it with SamplingParams(...)"
+            )
 
 # %% ../nbs/00_core.ipynb #8481e497
 @dataclass(eq=False, repr=False)
 class Batch:
     "Segments as right-padded rows; per-token training fields on the next-token axis (position t scores token t+1)"
-    input_ids:Tensor # (B, T) int64 token ids, padded with 0
-    attention_mask:Tensor # (B, T) bool, False on padding
-    action_mask:Tensor # (B, T-1) bool, True where the policy sampled token t+1
-    logprobs:Tensor # (B, T-1) float32 behaviour logprob of token t+1 (0 elsewhere)
-    versions:Tensor # (B, T-1) int32 policy version of token t+1 (-1 on observations, 0 on padding)
-    rewards:Tensor # (B,) float32 reward of the row's rollout
-    scores:Tensor # (B,) float32 score of the row's rollout
-    prompt_index:Tensor # (B,) int64 prompt of the row's rollout
-    segment_index:Tensor # (B,) int64 index of the segment within its rollout
-    truncated:Tensor # (B,) bool, the rollout was truncated
-    rollout_ids:list # (B,) rollout id of each row
-    group_ids:list # (B,) group id of each row
-    routes:Tensor|None=None # (B, T, layers, top_k) int16 expert ids of token t, -1 if unknown or padding
-    images:list=field(default_factory=list) # (B,) images of each row's segment
+
+    input_ids: Tensor  # (B, T) int64 token ids, padded with 0
+    attention_mask: Tensor  # (B, T) bool, False on padding
+    action_mask: Tensor  # (B, T-1) bool, True where the policy sampled token t+1
+    logprobs: Tensor  # (B, T-1) float32 behaviour logprob of token t+1 (0 elsewhere)
+    versions: Tensor  # (B, T-1) int32 policy version of token t+1 (-1 on observations, 0 on padding)
+    rewards: Tensor  # (B,) float32 reward of the row's rollout
+    scores: Tensor  # (B,) float32 score of the row's rollout
+    prompt_index: Tensor  # (B,) int64 prompt of the row's rollout
+    segment_index: Tensor  # (B,) int64 index of the segment within its rollout
+    truncated: Tensor  # (B,) bool, the rollout was truncated
+    rollout_ids: list  # (B,) rollout id of each row
+    group_ids: list  # (B,) group id of each row
+    routes: Tensor | None = None  # (B, T, layers, top_k) int16 expert ids of token t, -1 if unknown or padding
+    images: list = field(default_factory=list)  # (B,) images of each row's segment
 
 # %% ../nbs/00_core.ipynb #7c22ee46
 @patch
-def __len__(self:Batch) -> int: return len(self.input_ids)
+def __len__(self: Batch) -> int:
+    return len(self.input_ids)
+
 
 @patch(as_prop=True)
-def num_tokens(self:Batch) -> int:
+def num_tokens(self: Batch) -> int:
     "Number of action tokens (the tokens a loss averages over)"
     return int(self.action_mask.sum())
 
+
 @patch
-def __repr__(self:Batch) -> str:
+def __repr__(self: Batch) -> str:
     routes = None if self.routes is None else tuple(self.routes.shape[2:])
-    return f"Batch(rows={len(self)}, tokens={self.input_ids.shape[1]}, action_tokens={self.num_tokens}, routes={routes})"
+    return (
+        f"Batch(rows={len(self)}, tokens={self.input_ids.shape[1]}, action_tokens={self.num_tokens}, routes={routes})"
+    )
 
 # %% ../nbs/00_core.ipynb #deba8942
-def _pad(rows:list, value=0) -> Tensor:
+def _pad(rows: list, value=0) -> Tensor:
     "Right-pad `(T_i, ...)` tensors into one `(B, max T_i, ...)` tensor"
     return pad_sequence(rows, batch_first=True, padding_value=value)
 
-def _collate_routes(segments:list) -> Tensor|None:
+
+def _collate_routes(segments: list) -> Tensor | None:
     "(B, T, layers, top_k) routes padded with -1, rows without routes all -1; None when no segment has routes"
     shape = _route_shape(segments, 'collate')
-    if shape is None: return None
-    return _pad([s.routes if s.routes is not None else torch.full((len(s), *shape), -1, dtype=torch.int16, device=s.token_ids.device) for s in segments], -1)
+    if shape is None:
+        return None
+    return _pad(
+        [
+            s.routes
+            if s.routes is not None
+            else torch.full((len(s), *shape), -1, dtype=torch.int16, device=s.token_ids.device)
+            for s in segments
+        ],
+        -1,
+    )
 
 # %% ../nbs/00_core.ipynb #f28da161
-def collate(trajectories:list, # Trajectories; failed ones (`error` set) are skipped
-            vocab_size:int|None=None, # when given, every token id must be < vocab_size
-           ) -> Batch:
+def collate(
+    trajectories: list,  # Trajectories; failed ones (`error` set) are skipped
+    vocab_size: int | None = None,  # when given, every token id must be < vocab_size
+) -> Batch:
     "Every segment of every trajectory as one right-padded row on the dense next-token axis"
     rows = [(tr, i, s) for tr in trajectories if tr.error is None for i, s in enumerate(tr.segments)]
-    if not rows: raise ValueError(f"collate got {len(trajectories)} trajectories and none to train on: pass at least "
-                                  "one trajectory that has a Segment and no error (failed rollouts are skipped)")
+    if not rows:
+        raise ValueError(
+            f"collate got {len(trajectories)} trajectories and none to train on: pass at least "
+            "one trajectory that has a Segment and no error (failed rollouts are skipped)"
+        )
     if vocab_size is not None:
-        for tr, i, s in rows: _check_token_ids(s.token_ids, vocab_size, f"rollout {tr.rollout_id!r} segment {i}: Segment.token_ids")
+        for tr, i, s in rows:
+            _check_token_ids(s.token_ids, vocab_size, f"rollout {tr.rollout_id!r} segment {i}: Segment.token_ids")
     trs, segment_index, segs = zip(*rows)
     per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=segs[0].token_ids.device)
-    return Batch(input_ids=_pad([s.token_ids for s in segs]),
-                 attention_mask=_pad([torch.ones_like(s.action_mask) for s in segs]),
-                 action_mask=_pad([s.action_mask[1:] for s in segs]),
-                 logprobs=_pad([s.logprobs[1:] for s in segs]),
-                 versions=_pad([s.versions[1:] for s in segs]),
-                 rewards=per_row([t.reward for t in trs], torch.float32), scores=per_row([t.score for t in trs], torch.float32),
-                 prompt_index=per_row([t.prompt_index for t in trs], torch.int64), segment_index=per_row(segment_index, torch.int64),
-                 truncated=per_row([t.truncated for t in trs], torch.bool),
-                 rollout_ids=[t.rollout_id for t in trs], group_ids=[t.group_id for t in trs],
-                 routes=_collate_routes(segs), images=[s.images for s in segs])
+    return Batch(
+        input_ids=_pad([s.token_ids for s in segs]),
+        attention_mask=_pad([torch.ones_like(s.action_mask) for s in segs]),
+        action_mask=_pad([s.action_mask[1:] for s in segs]),
+        logprobs=_pad([s.logprobs[1:] for s in segs]),
+        versions=_pad([s.versions[1:] for s in segs]),
+        rewards=per_row([t.reward for t in trs], torch.float32),
+        scores=per_row([t.score for t in trs], torch.float32),
+        prompt_index=per_row([t.prompt_index for t in trs], torch.int64),
+        segment_index=per_row(segment_index, torch.int64),
+        truncated=per_row([t.truncated for t in trs], torch.bool),
+        rollout_ids=[t.rollout_id for t in trs],
+        group_ids=[t.group_id for t in trs],
+        routes=_collate_routes(segs),
+        images=[s.images for s in segs],
+    )
 
 # %% ../nbs/00_core.ipynb #e9068696
 _TOKEN_AXIS, _NEXT_TOKEN_AXIS = ('input_ids', 'attention_mask', 'routes'), ('action_mask', 'logprobs', 'versions')
 
+
 @patch
-def select(self:Batch, idx, # row indices: an int, a list, a slice, or a (B,) bool mask
-          ) -> Batch:
+def select(
+    self: Batch,
+    idx,  # row indices: an int, a list, a slice, or a (B,) bool mask
+) -> Batch:
     "The rows `idx`, without the columns that are padding in every one of them"
     rows = torch.arange(len(self))[idx] if isinstance(idx, slice) else torch.as_tensor(idx).reshape(-1)
     rows = rows.nonzero()[:, 0] if rows.dtype == torch.bool else rows.long()
     lengths = self.attention_mask[rows].sum(1)
     T = int(lengths.max()) if len(lengths) else 0
+
     def pick(name, v):
-        if isinstance(v, list): return [v[i] for i in rows.tolist()] if v else v
-        if v is None: return None
+        if isinstance(v, list):
+            return [v[i] for i in rows.tolist()] if v else v
+        if v is None:
+            return None
         v = v[rows.to(v.device)]
-        return v[:, :T] if name in _TOKEN_AXIS else v[:, :max(T - 1, 0)] if name in _NEXT_TOKEN_AXIS else v
+        return v[:, :T] if name in _TOKEN_AXIS else v[:, : max(T - 1, 0)] if name in _NEXT_TOKEN_AXIS else v
+
     return Batch(**{f.name: pick(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)})
 
+
 @patch
-def to(self:Batch, device) -> Batch:
+def to(self: Batch, device) -> Batch:
     "The batch with every tensor on `device`"
-    return Batch(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v for f in dataclasses.fields(self)})
+    return Batch(
+        **{
+            f.name: v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v
+            for f in dataclasses.fields(self)
+        }
+    )
 
 # %% ../nbs/00_core.ipynb #2bb74fbf
-def _qualified(fn) -> str: return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+def _qualified(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
 
 def _site(fn) -> tuple:
     "Module and qualified name; for a lambda (every one is named '<lambda>') also the line it starts on"
     code = getattr(fn, '__code__', None)
     return _qualified(fn), code.co_firstlineno if code is not None and fn.__qualname__.endswith('<lambda>') else None
 
+
 def _same_function(a, b) -> bool:
     "True when `b` is `a`, or `a` defined again: the same module, qualified name (and line, for a lambda)"
     return a is b or (hasattr(a, '__qualname__') and hasattr(b, '__qualname__') and _site(a) == _site(b))
 
-def check_registration(kind:str, # what the registry holds, for the message: 'estimator', 'policy loss', ...
-                       name:str, # the name being registered
-                       old, # the function registered as `name` now; None when the name is free
-                       new, # the function being registered
-                       replace:bool=False, # replace a different function on purpose (a hot swap)
-                      ):
+
+def check_registration(
+    kind: str,  # what the registry holds, for the message: 'estimator', 'policy loss', ...
+    name: str,  # the name being registered
+    old,  # the function registered as `name` now; None when the name is free
+    new,  # the function being registered
+    replace: bool = False,  # replace a different function on purpose (a hot swap)
+):
     "Raise if `name` already names a function other than `new` (or `new` defined again), unless `replace`"
-    if old is None or replace or _same_function(old, new): return
-    raise ValueError(f"{kind} {name!r} is already registered to {_qualified(old)}: pass replace=True to replace it "
-                     f"with {_qualified(new)} (a hot swap), or register yours under another name")
+    if old is None or replace or _same_function(old, new):
+        return
+    raise ValueError(
+        f"{kind} {name!r} is already registered to {_qualified(old)}: pass replace=True to replace it "
+        f"with {_qualified(new)} (a hot swap), or register yours under another name"
+    )

@@ -17,11 +17,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 # %% ../nbs/02_decode.ipynb #ece8494e
 class SlotCache:
     "Per-layer KV tensors `(S, kv_heads, capacity, head_dim)` whose rows share one write column."
-    def __init__(self, keys:list, values:list, mask:torch.Tensor, start:torch.Tensor, length:int):
+
+    def __init__(self, keys: list, values: list, mask: torch.Tensor, start: torch.Tensor, length: int):
         self.keys, self.values = keys, values
-        self.mask = mask # (S, capacity) additive: 0 where a row has a token, -inf on its left padding
-        self.start = start # (S,) first real column of each row
-        self.length = length # columns written so far (the shared write column)
+        self.mask = mask  # (S, capacity) additive: 0 where a row has a token, -inf on its left padding
+        self.start = start  # (S,) first real column of each row
+        self.length = length  # columns written so far (the shared write column)
 
     @classmethod
     def empty(cls, layers, rows, heads, dim, capacity, dtype=torch.float32):
@@ -29,87 +30,112 @@ class SlotCache:
         new = lambda: [torch.zeros(rows, heads, capacity, dim, dtype=dtype) for _ in range(layers)]
         return cls(new(), new(), torch.zeros(rows, capacity), torch.zeros(rows, dtype=torch.long), 0)
 
-    def __len__(self): return self.mask.shape[0]
+    def __len__(self):
+        return self.mask.shape[0]
+
     @property
-    def capacity(self): return self.mask.shape[1]
+    def capacity(self):
+        return self.mask.shape[1]
 
     def update(self, key, value, layer_idx, **kwargs):
         "Write this step's keys/values at the write column; return everything written (the transformers `Cache` call)."
         n, q = self.length, key.shape[2]
         K, V = self.keys[layer_idx], self.values[layer_idx]
-        K[:, :, n:n+q], V[:, :, n:n+q] = key, value
-        return K[:, :, :n+q], V[:, :, :n+q]
+        K[:, :, n : n + q], V[:, :, n : n + q] = key, value
+        return K[:, :, : n + q], V[:, :, : n + q]
 
-    def get_seq_length(self, layer_idx=0): return self.length
+    def get_seq_length(self, layer_idx=0):
+        return self.length
 
 # %% ../nbs/02_decode.ipynb #1391beae
-def grow(t:torch.Tensor, extra:int, dim:int, value=0.):
+def grow(t: torch.Tensor, extra: int, dim: int, value=0.0):
     "Pad `t` by `extra` entries at the end of `dim`."
-    return torch.cat([t, t.new_full((*t.shape[:dim], extra, *t.shape[dim+1:]), value)], dim)
+    return torch.cat([t, t.new_full((*t.shape[:dim], extra, *t.shape[dim + 1 :]), value)], dim)
 
 # %% ../nbs/02_decode.ipynb #2d3bb4c3
 @patch
-def reserve(self:SlotCache, columns:int):
+def reserve(self: SlotCache, columns: int):
     "Make room for `columns` more writes (doubling, so growth is amortised)."
     need = self.length + columns
-    if need <= self.capacity: return
+    if need <= self.capacity:
+        return
     extra = max(need, 2 * self.capacity) - self.capacity
     self.keys = [grow(k, extra, 2) for k in self.keys]
     self.values = [grow(v, extra, 2) for v in self.values]
     self.mask = grow(self.mask, extra, 1)
 
-@patch
-def decode_mask(self:SlotCache, dtype=torch.float32):
-    "Additive attention mask `(S, 1, 1, length+1)` for one new token per row."
-    return self.mask[:, None, None, :self.length + 1].to(dtype)
 
 @patch
-def take(self:SlotCache, rows:torch.Tensor):
+def decode_mask(self: SlotCache, dtype=torch.float32):
+    "Additive attention mask `(S, 1, 1, length+1)` for one new token per row."
+    return self.mask[:, None, None, : self.length + 1].to(dtype)
+
+
+@patch
+def take(self: SlotCache, rows: torch.Tensor):
     "Keep `rows`, dropping the leading columns none of them uses."
     start = self.start[rows]
     trim = int(start.min()) if len(rows) else self.length
-    pick = lambda t: t[rows][:, :, trim:self.length].clone()
-    return SlotCache([pick(k) for k in self.keys], [pick(v) for v in self.values],
-                     self.mask[rows][:, trim:self.length].clone(), start - trim, self.length - trim)
+    pick = lambda t: t[rows][:, :, trim : self.length].clone()
+    return SlotCache(
+        [pick(k) for k in self.keys],
+        [pick(v) for v in self.values],
+        self.mask[rows][:, trim : self.length].clone(),
+        start - trim,
+        self.length - trim,
+    )
 
 # %% ../nbs/02_decode.ipynb #cd04801d
 @patch(cls_method=True)
-def merge(cls:SlotCache, a:SlotCache, b:SlotCache, headroom:int=0):
+def merge(cls: SlotCache, a: SlotCache, b: SlotCache, headroom: int = 0):
     "Stack the rows of `a` and `b`, right-aligning their write columns; `headroom` spare columns."
     n, S, cap = max(a.length, b.length), len(a) + len(b), max(a.length, b.length) + headroom
     rows = (slice(0, len(a)), slice(len(a), S))
+
     def stack(xa, xb, fill):
         out = xa.new_full((S, *xa.shape[1:-2], cap, xa.shape[-1]) if xa.dim() == 4 else (S, cap), fill)
         for r, c, x in zip(rows, (a, b), (xa, xb)):
-            if x.dim() == 4: out[r, :, n - c.length:n] = x[:, :, :c.length]
-            else: out[r, n - c.length:n] = x[:, :c.length]
+            if x.dim() == 4:
+                out[r, :, n - c.length : n] = x[:, :, : c.length]
+            else:
+                out[r, n - c.length : n] = x[:, : c.length]
         return out
+
     mask = stack(a.mask, b.mask, -math.inf)
-    mask[:, n:] = 0.
-    return cls([stack(x, y, 0.) for x, y in zip(a.keys, b.keys)], [stack(x, y, 0.) for x, y in zip(a.values, b.values)],
-               mask, torch.cat([a.start + n - a.length, b.start + n - b.length]), n)
+    mask[:, n:] = 0.0
+    return cls(
+        [stack(x, y, 0.0) for x, y in zip(a.keys, b.keys)],
+        [stack(x, y, 0.0) for x, y in zip(a.values, b.values)],
+        mask,
+        torch.cat([a.start + n - a.length, b.start + n - b.length]),
+        n,
+    )
 
 # %% ../nbs/02_decode.ipynb #c4c8694b
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     "Attention for one query per row (GQA-aware); anything longer goes to sdpa."
     if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     b, h, _, d = query.shape
-    q = query.view(b, key.shape[1], -1, d) # (b, kv_heads, groups, d)
+    q = query.view(b, key.shape[1], -1, d)  # (b, kv_heads, groups, d)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
-    if attention_mask is not None: scores = scores + attention_mask
+    if attention_mask is not None:
+        scores = scores + attention_mask
     return torch.matmul(scores.softmax(-1), value).view(b, 1, h, d), None
+
 
 AttentionInterface.register("molt_engine", decode_attention)
 
 # %% ../nbs/02_decode.ipynb #23b2db69
-def fuse_linears(linears:list) -> torch.Tensor:
+def fuse_linears(linears: list) -> torch.Tensor:
     "Re-home the weights of `linears` as row blocks of one tensor, returned; loads into any of them land in it."
     fused = torch.cat([l.weight.data for l in linears])
     rows = 0
     for l in linears:
         n = l.weight.shape[0]
-        l.weight.data = fused[rows:rows + n]
+        l.weight.data = fused[rows : rows + n]
         rows += n
     return fused
 
@@ -117,7 +143,8 @@ def fuse_linears(linears:list) -> torch.Tensor:
 def windowed_layers(config) -> list:
     "Decoder-layer ids whose attention is local (a sliding window) rather than over the whole context."
     types = getattr(config, "layer_types", None)
-    if types is not None: return [i for i, t in enumerate(types) if t != "full_attention"]
+    if types is not None:
+        return [i for i, t in enumerate(types) if t != "full_attention"]
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     return list(range(config.num_hidden_layers)) if window is not None else []
 
@@ -126,31 +153,38 @@ def _norm(x, weight, eps):
     "Qwen3RMSNorm: normalise in fp32, cast back, scale (one fused `rms_norm` op)."
     return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight
 
+
 def qwen3_decodable(model) -> bool:
     "Whether `Qwen3Decoder` computes what `model`'s own forward does."
     cfg = model.config
-    return (cfg.model_type in ("qwen3", "qwen3_moe") and getattr(cfg, "hidden_act", "silu") == "silu"
-            and not windowed_layers(cfg)
-            and all(l.self_attn.q_proj.bias is None for l in model.model.layers))
+    return (
+        cfg.model_type in ("qwen3", "qwen3_moe")
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+        and not windowed_layers(cfg)
+        and all(l.self_attn.q_proj.bias is None for l in model.model.layers)
+    )
 
 # %% ../nbs/02_decode.ipynb #e9571146
 def _rehome_down(experts) -> torch.Tensor:
     "Store the experts' down projections `(E, D, I)` as a view of an `(E*I, D)` matrix, returned: one matmul sums over experts."
     E, D, I = experts.down_proj.shape
-    rows = experts.down_proj.data.transpose(1, 2).contiguous() # (E, I, D)
-    experts.down_proj.data = rows.transpose(1, 2) # same values and shape, new storage
+    rows = experts.down_proj.data.transpose(1, 2).contiguous()  # (E, I, D)
+    experts.down_proj.data = rows.transpose(1, 2)  # same values and shape, new storage
     return rows.view(E * I, D)
 
 # %% ../nbs/02_decode.ipynb #41d97cf4
 class Qwen3Decoder:
     "One-token decode step for the Qwen3 family over fused views of the model's own weights."
-    def __init__(self, model, max_len:int): # positions the rotary table covers
+
+    def __init__(self, model, max_len: int):  # positions the rotary table covers
         self.model, m = model, model.model
         self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in m.layers]
-        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in m.layers]
+        self.gate_up = [
+            fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in m.layers
+        ]
         self.down = [_rehome_down(l.mlp.experts) if hasattr(l.mlp, "experts") else None for l in m.layers]
         cos, sin = (t[0] for t in m.rotary_emb(m.embed_tokens.weight[:1], torch.arange(max_len)[None]))
-        half = sin.shape[-1] // 2 # identical to per-position calls: the table is elementwise in the position
+        half = sin.shape[-1] // 2  # identical to per-position calls: the table is elementwise in the position
         self.cos, self.sin_rot = cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)
         cfg = m.config
         self.heads, self.kv_heads, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
@@ -158,13 +192,14 @@ class Qwen3Decoder:
     def __call__(self, ids, pos, mask, cache) -> torch.Tensor:
         "Logits `(S, V)` for one new token per row: ids, pos `(S, 1)`, additive mask `(S, 1, 1, n+1)`."
         m, S = self.model.model, len(ids)
-        x = m.embed_tokens(ids[:, 0]) # (S, D)
-        rope = self.cos[pos], self.sin_rot[pos] # (S, 1, head_dim)
+        x = m.embed_tokens(ids[:, 0])  # (S, D)
+        rope = self.cos[pos], self.sin_rot[pos]  # (S, 1, head_dim)
         mask = mask.expand(S, self.kv_heads, 1, mask.shape[-1]).reshape(S * self.kv_heads, 1, -1)
         for i, layer in enumerate(m.layers):
             x = self._attention(i, layer, x, rope, mask, cache)
             h = _norm(x, layer.post_attention_layernorm.weight, self.eps)
-            if self.gate_up[i] is None: x = x + self._moe(i, layer.mlp, h)
+            if self.gate_up[i] is None:
+                x = x + self._moe(i, layer.mlp, h)
             else:
                 gate, up = F.linear(h, self.gate_up[i]).chunk(2, -1)
                 x = torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
@@ -172,28 +207,37 @@ class Qwen3Decoder:
 
 # %% ../nbs/02_decode.ipynb #f5f23733
 @patch
-def _moe(self:Qwen3Decoder, i, mlp, h):
+def _moe(self: Qwen3Decoder, i, mlp, h):
     "Sparse MoE block for one token per row: (S, D) -> (S, D)."
-    _, weights, experts = mlp.gate(h) # (S, top_k) each
+    _, weights, experts = mlp.gate(h)  # (S, top_k) each
     e, S = mlp.experts, len(h)
-    if e.num_experts > 16: return e(h, experts, weights)
-    gate, up = F.linear(h, e.gate_up_proj.view(-1, h.shape[1])).view(S, e.num_experts, -1).chunk(2, -1) # (S, E, I)
-    mix = torch.zeros(S, e.num_experts, 1, dtype=h.dtype).scatter_(1, experts[..., None], weights[..., None].to(h.dtype))
-    act = (e.act_fn(gate) * up * mix).view(S, -1) # (S, E*I), zero for experts a row did not pick
-    return act @ self.down[i] # sums over experts inside one matmul
+    if e.num_experts > 16:
+        return e(h, experts, weights)
+    gate, up = F.linear(h, e.gate_up_proj.view(-1, h.shape[1])).view(S, e.num_experts, -1).chunk(2, -1)  # (S, E, I)
+    mix = torch.zeros(S, e.num_experts, 1, dtype=h.dtype).scatter_(
+        1, experts[..., None], weights[..., None].to(h.dtype)
+    )
+    act = (e.act_fn(gate) * up * mix).view(S, -1)  # (S, E*I), zero for experts a row did not pick
+    return act @ self.down[i]  # sums over experts inside one matmul
 
 # %% ../nbs/02_decode.ipynb #28c4150f
 @patch
-def _attention(self:Qwen3Decoder, i, layer, x, rope, mask, cache):
+def _attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache):
     "x + self-attention of decoder layer `i`, one token per row: (S, D) -> (S, D)."
     a, S, H, G = layer.self_attn, x.shape[0], self.heads, self.kv_heads
     d, (cos, sin_rot) = a.head_dim, rope
     qkv = F.linear(_norm(x, layer.input_layernorm.weight, self.eps), self.qkv[i]).view(S, H + 2 * G, d)
-    qk = _norm(qkv[:, :H + G], torch.cat([a.q_norm.weight.expand(H, d), a.k_norm.weight.expand(G, d)]), a.q_norm.variance_epsilon)
+    qk = _norm(
+        qkv[:, : H + G],
+        torch.cat([a.q_norm.weight.expand(H, d), a.k_norm.weight.expand(G, d)]),
+        a.q_norm.variance_epsilon,
+    )
     qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_rot)
-    K, V = cache.update(qk[:, H:, None], qkv[:, H + G:, None], i) # (S, G, n+1, d)
+    K, V = cache.update(qk[:, H:, None], qkv[:, H + G :, None], i)  # (S, G, n+1, d)
     n = K.shape[2]
-    scores = torch.baddbmm(mask, qk[:, :H].reshape(S * G, H // G, d), K.reshape(S * G, n, d).transpose(1, 2), alpha=a.scaling)
+    scores = torch.baddbmm(
+        mask, qk[:, :H].reshape(S * G, H // G, d), K.reshape(S * G, n, d).transpose(1, 2), alpha=a.scaling
+    )
     out = torch.bmm(scores.softmax(-1), V.reshape(S * G, n, d)).view(S, H * d)
     return torch.addmm(x, out, a.o_proj.weight.t())
 
@@ -201,13 +245,19 @@ def _attention(self:Qwen3Decoder, i, layer, x, rope, mask, cache):
 def cache_dims(model) -> tuple:
     "(layers, kv_heads, head_dim) of a decoder-only transformers model."
     c = model.config
-    return c.num_hidden_layers, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+    )
 
-def prefill_inputs(prompts:list, dims:tuple, dtype=torch.float32):
+
+def prefill_inputs(prompts: list, dims: tuple, dtype=torch.float32):
     "Left-padded `ids`, `pos` `(S, P)`, additive `mask` `(S, 1, P, P)` and an empty `SlotCache` for `prompts`."
     S, P = len(prompts), max(len(p) for p in prompts)
     ids, valid = torch.zeros(S, P, dtype=torch.long), torch.zeros(S, P, dtype=torch.bool)
-    for i, p in enumerate(prompts): ids[i, P - len(p):], valid[i, P - len(p):] = p, True
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :], valid[i, P - len(p) :] = p, True
     allowed = (torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(P, dtype=torch.bool)
     mask = torch.zeros(S, 1, P, P, dtype=dtype).masked_fill_(~allowed[:, None], -math.inf)
     cache = SlotCache.empty(*dims[:1], S, *dims[1:], P, dtype)
@@ -216,43 +266,52 @@ def prefill_inputs(prompts:list, dims:tuple, dtype=torch.float32):
     return ids, (valid.cumsum(-1) - 1).clamp_(min=0), mask, cache
 
 # %% ../nbs/02_decode.ipynb #50b7947c
-def _bucket(n:int) -> int:
+def _bucket(n: int) -> int:
     "Power-of-two length bucket: 1..64, 65..128, 129..256, ..."
     return max(n - 1, 63).bit_length()
 
-def prefill_groups(lengths:list, # tokens of each prompt
-                   budget:int=2**22, # most padded mask elements S*P*P in one prefill (one 2048-token prompt)
-                  ) -> list: # lists of indices into `lengths`, one per prefill, shortest prompts first
+
+def prefill_groups(
+    lengths: list,  # tokens of each prompt
+    budget: int = 2**22,  # most padded mask elements S*P*P in one prefill (one 2048-token prompt)
+) -> list:  # lists of indices into `lengths`, one per prefill, shortest prompts first
     "Group prompts to prefill together: similar lengths (one power-of-two bucket), at most `budget` each."
     groups = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
         g, P = groups[-1] if groups else None, lengths[i]
-        if g and _bucket(lengths[g[0]]) == _bucket(P) and (len(g) + 1) * P * P <= budget: g.append(i)
-        else: groups.append([i])
+        if g and _bucket(lengths[g[0]]) == _bucket(P) and (len(g) + 1) * P * P <= budget:
+            g.append(i)
+        else:
+            groups.append([i])
     return groups
 
 # %% ../nbs/02_decode.ipynb #578fe6ef
 _M32 = 0xFFFFFFFF
 
-def _hash32(x:torch.Tensor) -> torch.Tensor:
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
     "A 32-bit integer mixer on int64 tensors (no overflow: products stay below 2**59)."
-    for _ in range(2): x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
     return x ^ (x >> 16)
 
-def counter_uniform(key:torch.Tensor, # (S,) int64 per-request keys
-                    step:torch.Tensor # (S,) int64 token index within the request
-                   ) -> torch.Tensor: # (S,) float64 in (0, 1), 52 random bits
+
+def counter_uniform(
+    key: torch.Tensor,  # (S,) int64 per-request keys
+    step: torch.Tensor,  # (S,) int64 token index within the request
+) -> torch.Tensor:  # (S,) float64 in (0, 1), 52 random bits
     "Uniforms that depend only on (key, step)."
-    k, n = key & _M32, step & _M32 # multipliers below 2**30: every sum stays below 2**63
-    high = _hash32((k * 0x27D4EB2D + n * 0x165667B1) & _M32) >> 8 # 24 bits
-    low = _hash32((k * 0x1B873593 + n * 0x3C6EF372 + 0x9E3779B9) & _M32) >> 4 # 28 more
+    k, n = key & _M32, step & _M32  # multipliers below 2**30: every sum stays below 2**63
+    high = _hash32((k * 0x27D4EB2D + n * 0x165667B1) & _M32) >> 8  # 24 bits
+    low = _hash32((k * 0x1B873593 + n * 0x3C6EF372 + 0x9E3779B9) & _M32) >> 4  # 28 more
     return (high * 2**29 + low * 2 + 1).double() / 2**53
 
 # %% ../nbs/02_decode.ipynb #d9c52afe
-def inverse_cdf(logp:torch.Tensor, # (S, V) log-probabilities
-                u:torch.Tensor, # (S, 1) float64 uniforms in (0, 1), e.g. from `counter_uniform`
-                out:torch.Tensor|None=None, # (S, V) float64 scratch for the running sum, reused across calls
-               ) -> torch.Tensor: # (S, 1) int64 ids; V where `u` rounds up past the last token
+def inverse_cdf(
+    logp: torch.Tensor,  # (S, V) log-probabilities
+    u: torch.Tensor,  # (S, 1) float64 uniforms in (0, 1), e.g. from `counter_uniform`
+    out: torch.Tensor | None = None,  # (S, V) float64 scratch for the running sum, reused across calls
+) -> torch.Tensor:  # (S, 1) int64 ids; V where `u` rounds up past the last token
     "The token whose interval of the float64 cumulative distribution holds `u`."
     cdf = torch.empty(logp.shape, dtype=torch.float64) if out is None else out
     torch.exp(logp, out=cdf).cumsum_(-1)

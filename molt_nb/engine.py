@@ -12,64 +12,87 @@ from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
 from .core import SamplingParams, filters_off, process_logits
-from .decode import (SlotCache, Qwen3Decoder, qwen3_decodable, windowed_layers, cache_dims, prefill_inputs,
-    prefill_groups, counter_uniform, inverse_cdf, grow)
+from molt_nb.decode import (
+    SlotCache,
+    Qwen3Decoder,
+    qwen3_decodable,
+    windowed_layers,
+    cache_dims,
+    prefill_inputs,
+    prefill_groups,
+    counter_uniform,
+    inverse_cdf,
+    grow,
+)
 from .models import moe_gates, route_shape
 
 # %% ../nbs/02_engine.ipynb #3b173eda
 @dataclass
 class Generation:
     "What an engine returns for one request."
-    token_ids:torch.Tensor # (N,) int64 sampled ids
-    logprobs:torch.Tensor # (N,) float32 behaviour logprob of each sampled id
-    versions:torch.Tensor # (N,) int32 policy version that sampled each id
-    routes:torch.Tensor|None # (P+N, layers, top_k) int16 expert ids, -1 unknown; re-routed by a weight load
-    finish_reason:str # "stop" (a stop id), "length" (max_tokens or context), "abort" (pause(keep=False))
-    prompt_len:int # P, tokens in the request's prompt
 
-    def __len__(self): return len(self.token_ids)
+    token_ids: torch.Tensor  # (N,) int64 sampled ids
+    logprobs: torch.Tensor  # (N,) float32 behaviour logprob of each sampled id
+    versions: torch.Tensor  # (N,) int32 policy version that sampled each id
+    routes: torch.Tensor | None  # (P+N, layers, top_k) int16 expert ids, -1 unknown; re-routed by a weight load
+    finish_reason: str  # "stop" (a stop id), "length" (max_tokens or context), "abort" (pause(keep=False))
+    prompt_len: int  # P, tokens in the request's prompt
+
+    def __len__(self):
+        return len(self.token_ids)
 
 # %% ../nbs/02_engine.ipynb #423d7c98
 @runtime_checkable
 class Engine(Protocol):
     "A rollout engine: `TorchEngine` here, `VLLMEngine` on GPUs."
+
     version: int
-    async def generate(self, token_ids, sampling:SamplingParams, session_id:str|None=None) -> Generation: ...
-    async def pause(self, keep:bool=True, drain:bool=False): ...
+
+    async def generate(self, token_ids, sampling: SamplingParams, session_id: str | None = None) -> Generation: ...
+    async def pause(self, keep: bool = True, drain: bool = False): ...
     async def resume(self): ...
-    async def load_weights(self, named_tensors, version:int): ...
+    async def load_weights(self, named_tensors, version: int): ...
 
 # %% ../nbs/02_engine.ipynb #0440c507
-_FILL = dict(stop=-1, routes=-1) # padding of the running rows' tensors; everything else pads with 0
+_FILL = dict(stop=-1, routes=-1)  # padding of the running rows' tensors; everything else pads with 0
+
 
 @dataclass
 class _Rows:
     "Per-request state of the rows being decoded."
-    uniform:torch.Tensor # (S, M) float64 uniform each sampled token will use (see `counter_uniform`)
-    pos:torch.Tensor # (S,) position id of the next token to feed
-    count:torch.Tensor # (S,) tokens sampled so far
-    temperature:torch.Tensor # (S,)
-    top_k:torch.Tensor # (S,)
-    top_p:torch.Tensor # (S,)
-    max_new:torch.Tensor # (S,) sampling budget (max_tokens clamped to the context)
-    stop:torch.Tensor # (S, n_stop) stop ids, -1 padded
-    tokens:torch.Tensor # (S, M) sampled ids
-    logprobs:torch.Tensor # (S, M)
-    versions:torch.Tensor # (S, M)
-    routes:torch.Tensor|None # (S, M, layers, top_k) expert ids of sampled tokens once fed
 
-    def take(self, idx): return _Rows(**{k: None if v is None else v[idx] for k, v in vars(self).items()})
+    uniform: torch.Tensor  # (S, M) float64 uniform each sampled token will use (see `counter_uniform`)
+    pos: torch.Tensor  # (S,) position id of the next token to feed
+    count: torch.Tensor  # (S,) tokens sampled so far
+    temperature: torch.Tensor  # (S,)
+    top_k: torch.Tensor  # (S,)
+    top_p: torch.Tensor  # (S,)
+    max_new: torch.Tensor  # (S,) sampling budget (max_tokens clamped to the context)
+    stop: torch.Tensor  # (S, n_stop) stop ids, -1 padded
+    tokens: torch.Tensor  # (S, M) sampled ids
+    logprobs: torch.Tensor  # (S, M)
+    versions: torch.Tensor  # (S, M)
+    routes: torch.Tensor | None  # (S, M, layers, top_k) expert ids of sampled tokens once fed
+
+    def take(self, idx):
+        return _Rows(**{k: None if v is None else v[idx] for k, v in vars(self).items()})
 
     def flags(self, vocab_size) -> tuple:
         "(any row filters by top-k/top-p, any row is greedy, any row has stop ids): skip what no row needs."
-        return not filters_off(self.top_k, self.top_p, vocab_size), bool((self.temperature == 0).any()), bool((self.stop >= 0).any())
+        return (
+            not filters_off(self.top_k, self.top_p, vocab_size),
+            bool((self.temperature == 0).any()),
+            bool((self.stop >= 0).any()),
+        )
 
     def cat(self, other):
         "Rows of `self` then `other`, padding per-token columns to the wider one."
         out = {}
         for k, a in vars(self).items():
             b = getattr(other, k)
-            if a is None: out[k] = None; continue
+            if a is None:
+                out[k] = None
+                continue
             if a.dim() > 1:
                 w = max(a.shape[1], b.shape[1])
                 a, b = (grow(x, w - x.shape[1], 1, _FILL.get(k, 0)) for x in (a, b))
@@ -79,61 +102,79 @@ class _Rows:
 # %% ../nbs/02_engine.ipynb #b5b3c5bf
 @dataclass(eq=False)
 class _Request:
-    prompt:torch.Tensor # (P,) token ids
-    sampling:SamplingParams
-    max_new:int
-    key:int
-    future:asyncio.Future
-    loop:asyncio.AbstractEventLoop
-    cancelled:bool = False
-    routes:torch.Tensor|None = None # (P, layers, top_k) from the prefill
+    prompt: torch.Tensor  # (P,) token ids
+    sampling: SamplingParams
+    max_new: int
+    key: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    cancelled: bool = False
+    routes: torch.Tensor | None = None  # (P, layers, top_k) from the prefill
 
     def resolve(self, value=None, error=None):
         "Complete the caller's future from the engine thread."
+
         def done():
-            if self.future.done(): return
-            if error is not None: self.future.set_exception(error)
-            else: self.future.set_result(value)
-        try: self.loop.call_soon_threadsafe(done)
-        except RuntimeError: pass # the caller's loop is closed: nobody is waiting, and the engine must live on
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        try:
+            self.loop.call_soon_threadsafe(done)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is waiting, and the engine must live on
 
 # %% ../nbs/02_engine.ipynb #be15b6d1
-def _check_int(name:str, value, low:int|None, fix:str):
+def _check_int(name: str, value, low: int | None, fix: str):
     "Raise unless `value` is an int (not a bool) of at least `low` (None: any int)."
-    if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low): return
+    if isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low):
+        return
     expected = "an int" if low is None else f"an int >= {low}"
     raise ValueError(f"TorchEngine: {name}={value!r}, expected {expected}: {fix}")
+
 
 def _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget):
     "Raise on a model or constructor arguments the engine cannot run with, before it touches the model."
     windowed = windowed_layers(model.config)
-    if windowed: raise ValueError(
-        f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
-        f"(sliding_window={getattr(model.config, 'sliding_window', None)}), but the engine's cache and attention see "
-        "the whole context, so its logprobs would be wrong: serve the model with full attention only if it was "
-        "trained so (use_sliding_window=False), else use an engine with window masks (vLLM)")
+    if windowed:
+        raise ValueError(
+            f"TorchEngine: {type(model).__name__} uses sliding-window attention in layers {windowed} "
+            f"(sliding_window={getattr(model.config, 'sliding_window', None)}), but the engine's cache and attention see "
+            "the whole context, so its logprobs would be wrong: serve the model with full attention only if it was "
+            "trained so (use_sliding_window=False), else use an engine with window masks (vLLM)"
+        )
     _check_int("max_batch", max_batch, 1, "decode at least one request at a time (the default is 256)")
     if max_model_len is not None:
         _check_int("max_model_len", max_model_len, 1, "pass None for the model's max_position_embeddings")
     _check_int("threads", threads, 1, "give the engine thread at least one CPU thread (the default is 1)")
     _check_int("prefill_budget", prefill_budget, 1, "allow at least one mask element per prefill (default 2**22)")
     _check_int("seed", seed, None, "pass an int seed such as 0")
-    if nonce is not None: _check_int("nonce", nonce, None, "pass None (a nonce no open engine holds) or the engine's rank")
+    if nonce is not None:
+        _check_int("nonce", nonce, None, "pass None (a nonce no open engine holds) or the engine's rank")
 
-_held, _held_lock = collections.Counter(), threading.Lock() # nonces of this process's open engines
 
-def _hold_nonce(nonce:int|None) -> int:
+_held, _held_lock = collections.Counter(), threading.Lock()  # nonces of this process's open engines
+
+
+def _hold_nonce(nonce: int | None) -> int:
     "`nonce`, or else the smallest one no open engine of this process holds; held until `_release_nonce`."
     with _held_lock:
-        if nonce is None: nonce = next(i for i in itertools.count() if not _held[i])
+        if nonce is None:
+            nonce = next(i for i in itertools.count() if not _held[i])
         _held[nonce] += 1
     return nonce
 
-def _release_nonce(nonce:int):
-    "Give back a nonce `_hold_nonce` handed out."
-    with _held_lock: _held[nonce] -= 1
 
-def _key(seed:int, nonce:int, n:int) -> int:
+def _release_nonce(nonce: int):
+    "Give back a nonce `_hold_nonce` handed out."
+    with _held_lock:
+        _held[nonce] -= 1
+
+
+def _key(seed: int, nonce: int, n: int) -> int:
     "The sampling key of an engine's `n`-th request; nonce 0 gives the keys engines had before nonces."
     # int hashing is deterministic across processes
     return hash((seed, n) if nonce == 0 else (seed, nonce, n)) & 0xFFFFFFFF
@@ -141,24 +182,34 @@ def _key(seed:int, nonce:int, n:int) -> int:
 # %% ../nbs/02_engine.ipynb #f7e0c9ed
 class TorchEngine:
     "Continuous-batching engine over a transformers causal LM; a background thread owns the model."
-    def __init__(self,
-                 model, # a transformers causal LM; the engine owns it from here on
-                 dtype:torch.dtype|None=None, # cast the model (e.g. bf16 rollout against an fp32 trainer)
-                 max_batch:int=256, # most requests decoded at once
-                 max_model_len:int|None=None, # context limit; default the model's max positions
-                 seed:int=0, # sampling RNG seed
-                 nonce:int|None=None, # mixed into sampling keys; default: the smallest no open engine here holds
-                 version:int=0, # policy version stamped on sampled tokens
-                 threads:int=1, # CPU threads of the engine thread's own forward (see below)
-                 prefill_budget:int=2**22): # most padded mask elements S*P*P per prefill (`prefill_groups`)
+
+    def __init__(
+        self,
+        model,  # a transformers causal LM; the engine owns it from here on
+        dtype: torch.dtype | None = None,  # cast the model (e.g. bf16 rollout against an fp32 trainer)
+        max_batch: int = 256,  # most requests decoded at once
+        max_model_len: int | None = None,  # context limit; default the model's max positions
+        seed: int = 0,  # sampling RNG seed
+        nonce: int | None = None,  # mixed into sampling keys; default: the smallest no open engine here holds
+        version: int = 0,  # policy version stamped on sampled tokens
+        threads: int = 1,  # CPU threads of the engine thread's own forward (see below)
+        prefill_budget: int = 2**22,
+    ):  # most padded mask elements S*P*P per prefill (`prefill_groups`)
         _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
         self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
-        self.vocab_size, self.version, self.max_batch, self.threads = model.config.vocab_size, version, max_batch, threads
+        self.vocab_size, self.version, self.max_batch, self.threads = (
+            model.config.vocab_size,
+            version,
+            max_batch,
+            threads,
+        )
         self.prefill_budget = prefill_budget
         self.max_model_len = max_model_len or model.config.max_position_embeddings
-        self.stats = dict(steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0) # busy_s: seconds spent computing (idle = wall - busy)
+        self.stats = dict(
+            steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0
+        )  # busy_s: seconds spent computing (idle = wall - busy)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
         self._fast = Qwen3Decoder(model, self.max_model_len) if qwen3_decodable(model) else None
         self._route_shape, self._captured = route_shape(model), {}
@@ -166,324 +217,436 @@ class TorchEngine:
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
-        self._stale = False # weights were loaded since the running rows' cache was computed (see `load_weights`)
-        self._cdf = None # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
+        self._stale = False  # weights were loaded since the running rows' cache was computed (see `load_weights`)
+        self._cdf = None  # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
         self._nonce = _hold_nonce(nonce)
         self._thread = threading.Thread(target=self._loop, name="TorchEngine", daemon=True)
         self._thread.start()
 
-    def __repr__(self): return f"TorchEngine(version={self.version}, running={len(self._reqs)}, pending={len(self._pending)})"
+    def __repr__(self):
+        return f"TorchEngine(version={self.version}, running={len(self._reqs)}, pending={len(self._pending)})"
 
 # %% ../nbs/02_engine.ipynb #c4dfafee
 @patch
-def _bindable(self:TorchEngine, sp:SamplingParams) -> SamplingParams:
+def _bindable(self: TorchEngine, sp: SamplingParams) -> SamplingParams:
     "`sp` less what cannot bind here: top_k >= vocab_size is off, stop ids >= vocab_size are never sampled."
     stop = tuple(i for i in sp.stop_token_ids if i < self.vocab_size)
-    if sp.top_k < self.vocab_size and stop == sp.stop_token_ids: return sp
+    if sp.top_k < self.vocab_size and stop == sp.stop_token_ids:
+        return sp
     return sp.replace(top_k=sp.top_k if sp.top_k < self.vocab_size else -1, stop_token_ids=stop)
 
+
 @patch
-async def generate(self:TorchEngine,
-                   token_ids, # (P,) prompt ids: list or tensor
-                   sampling:SamplingParams|None=None,
-                   session_id:str|None=None) -> Generation: # kept for the Engine protocol (router affinity)
+async def generate(
+    self: TorchEngine,
+    token_ids,  # (P,) prompt ids: list or tensor
+    sampling: SamplingParams | None = None,
+    session_id: str | None = None,
+) -> Generation:  # kept for the Engine protocol (router affinity)
     "Sample a continuation of `token_ids`."
     sampling = self._bindable(sampling or SamplingParams())
     prompt = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    if len(prompt) == 0: raise ValueError("generate: token_ids is empty; pass at least one prompt token")
+    if len(prompt) == 0:
+        raise ValueError("generate: token_ids is empty; pass at least one prompt token")
     low, high = (int(v) for v in torch.aminmax(prompt))
     if low < 0 or high >= self.vocab_size:
-        raise ValueError(f"generate: token_ids must lie in [0, {self.vocab_size}) (the model's vocab_size); got min {low}, max {high}")
+        raise ValueError(
+            f"generate: token_ids must lie in [0, {self.vocab_size}) (the model's vocab_size); got min {low}, max {high}"
+        )
     room = self.max_model_len - len(prompt)
     if room < 1:
-        raise ValueError(f"generate: the prompt has {len(prompt)} tokens and max_model_len is {self.max_model_len}: "
-                         "shorten the prompt or raise max_model_len")
+        raise ValueError(
+            f"generate: the prompt has {len(prompt)} tokens and max_model_len is {self.max_model_len}: "
+            "shorten the prompt or raise max_model_len"
+        )
     loop = asyncio.get_running_loop()
     req = _Request(prompt, sampling, min(sampling.max_tokens, room), 0, loop.create_future(), loop)
     req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
-    with self._cv: # keys are allocated under the lock: callers on two threads never share one
-        if self._closed: raise RuntimeError("generate: the engine is closed")
+    with self._cv:  # keys are allocated under the lock: callers on two threads never share one
+        if self._closed:
+            raise RuntimeError("generate: the engine is closed")
         req.key = _key(self._seed, self._nonce, self._submitted)
         self._submitted += 1
-        self._pending.append(req); self._cv.notify()
+        self._pending.append(req)
+        self._cv.notify()
     return await req.future
 
 # %% ../nbs/02_engine.ipynb #f2de3f82
 @patch
-async def _command(self:TorchEngine, fn):
+async def _command(self: TorchEngine, fn):
     "Run `fn` on the engine thread at the next step boundary; return its result."
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
+
     def run():
-        try: res, err = fn(), None
-        except Exception as e: res, err = None, e
-        try: loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
-        except RuntimeError: pass # the caller's loop is closed
+        try:
+            res, err = fn(), None
+        except Exception as e:
+            res, err = None, e
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(err) if err else fut.set_result(res)))
+        except RuntimeError:
+            pass  # the caller's loop is closed
+
     with self._cv:
-        if self._closed: raise RuntimeError("the engine is closed")
-        self._commands.append(run); self._cv.notify()
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self._commands.append(run)
+        self._cv.notify()
     return await fut
 
+
 @patch
-async def pause(self:TorchEngine, keep:bool=True, drain:bool=False):
+async def pause(self: TorchEngine, keep: bool = True, drain: bool = False):
     "Stop decoding: `drain` first lets running requests finish (admitting none), else `keep` holds them for `resume` or they end now ('abort')."
     if drain:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         await self._command(lambda: self._drains.append((loop, done)))
         return await done
+
     def do():
         self._paused = True
-        if not keep: self._abort()
+        if not keep:
+            self._abort()
+
     await self._command(do)
 
-@patch
-def _drained(self:TorchEngine):
-    "Once a drain finds no running request: pause and tell the callers"
-    if not self._drains or self._reqs: return
-    self._paused = True
-    for loop, done in self._drains:
-        try: loop.call_soon_threadsafe(lambda d=done: d.done() or d.set_result(None))
-        except RuntimeError: pass
-    self._drains = []
 
 @patch
-async def resume(self:TorchEngine):
+def _drained(self: TorchEngine):
+    "Once a drain finds no running request: pause and tell the callers"
+    if not self._drains or self._reqs:
+        return
+    self._paused = True
+    for loop, done in self._drains:
+        try:
+            loop.call_soon_threadsafe(lambda d=done: d.done() or d.set_result(None))
+        except RuntimeError:
+            pass
+    self._drains = []
+
+
+@patch
+async def resume(self: TorchEngine):
     "Continue decoding held and queued requests."
-    def do(): self._paused = False
+
+    def do():
+        self._paused = False
+
     await self._command(do)
 
 # %% ../nbs/02_engine.ipynb #00e8ba9d
 @patch
-async def load_weights(self:TorchEngine,
-                       named_tensors, # dict or iterable of (name, tensor), names as in the model's state_dict
-                       version:int): # the policy version these weights are
+async def load_weights(
+    self: TorchEngine,
+    named_tensors,  # dict or iterable of (name, tensor), names as in the model's state_dict
+    version: int,
+):  # the policy version these weights are
     "Copy weights in between two decode steps; later tokens carry `version` (held rows are re-prefilled first)."
     items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
     for name, t in items:
         if name not in self._params:
-            raise KeyError(f"load_weights: {name!r} is not a parameter of the engine's model "
-                           f"(expected names like {next(iter(self._params))!r})")
+            raise KeyError(
+                f"load_weights: {name!r} is not a parameter of the engine's model "
+                f"(expected names like {next(iter(self._params))!r})"
+            )
         if self._params[name].shape != t.shape:
-            raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {tuple(self._params[name].shape)}")
+            raise ValueError(
+                f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {tuple(self._params[name].shape)}"
+            )
+
     def do():
         with torch.no_grad():
-            for name, t in items: self._params[name].copy_(t)
+            for name, t in items:
+                self._params[name].copy_(t)
         self.version = version
         # the held rows' cache is the old weights': re-prefilled once, before they decode again (so a sync that
         # loads its weights in several calls pays one re-prefill, and rows an abort ends pay none)
         self._stale = bool(self._reqs)
+
     await self._command(do)
 
+
 @patch
-def close(self:TorchEngine):
+def close(self: TorchEngine):
     "Stop the engine thread; requests still queued or running finish with reason 'abort'."
     with self._cv:
         first, self._closed = not self._closed, True
         self._cv.notify()
     self._thread.join()
-    if first: _release_nonce(self._nonce)
+    if first:
+        _release_nonce(self._nonce)
 
 # %% ../nbs/02_engine.ipynb #0bd14d3d
 @patch
-def _next_work(self:TorchEngine):
+def _next_work(self: TorchEngine):
     "Block until there is something to do; return the queued commands, or None to exit."
     with self._cv:
         while not (self._closed or self._commands or (not self._paused and (self._pending or self._reqs))):
             self._cv.wait()
-        if self._closed: return None
+        if self._closed:
+            return None
         commands, self._commands = self._commands, []
         return commands
 
+
 @patch
-def _take_pending(self:TorchEngine):
-    if not self._reqs and self._pending: # idle: let a burst of submissions land, so it prefills as one batch
+def _take_pending(self: TorchEngine):
+    if not self._reqs and self._pending:  # idle: let a burst of submissions land, so it prefills as one batch
         seen = -1
-        while seen != len(self._pending): seen = len(self._pending); time.sleep(0.0005)
+        while seen != len(self._pending):
+            seen = len(self._pending)
+            time.sleep(0.0005)
     with self._cv:
-        if self._paused or self._drains: return []
+        if self._paused or self._drains:
+            return []
         n = self.max_batch - len(self._reqs)
         admit, self._pending = self._pending[:n], self._pending[n:]
         return admit
 
+
 @patch
-def _loop(self:TorchEngine):
-    torch.set_num_threads(self.threads) # per OS thread: the caller's setting is untouched
+def _loop(self: TorchEngine):
+    torch.set_num_threads(self.threads)  # per OS thread: the caller's setting is untouched
     with torch.inference_mode():
         while (commands := self._next_work()) is not None:
-            for command in commands: command()
+            for command in commands:
+                command()
             admit = self._take_pending()
             start = time.perf_counter()
-            if self._stale and not self._paused: self._refill()
+            if self._stale and not self._paused:
+                self._refill()
             self._admit_all(admit)
-            if self._reqs and not self._paused: self._step()
-            if not self._reqs: self._cdf = None # idle: give the sampling buffer back
+            if self._reqs and not self._paused:
+                self._step()
+            if not self._reqs:
+                self._cdf = None  # idle: give the sampling buffer back
             self.stats["busy_s"] += time.perf_counter() - start
             self._drained()
         self._abort()
 
+
 @patch
-def _admit_all(self:TorchEngine, admit:list):
+def _admit_all(self: TorchEngine, admit: list):
     "Admit `admit` in prefills of similar lengths (`prefill_groups`), then join the rows that go on in one merge."
     groups = prefill_groups([len(r.prompt) for r in admit], self.prefill_budget)
     parts = [part for g in groups for part in self._admit_or_split([admit[i] for i in g])]
-    if not parts: return
-    try: self._join(*_stacked(parts))
-    except Exception as e: # the running rows are untouched: only the newcomers fail
+    if not parts:
+        return
+    try:
+        self._join(*_stacked(parts))
+    except Exception as e:  # the running rows are untouched: only the newcomers fail
         for reqs, _, _ in parts:
-            for r in reqs: r.resolve(error=e)
+            for r in reqs:
+                r.resolve(error=e)
+
 
 @patch
-def _admit_or_split(self:TorchEngine, reqs:list) -> list:
+def _admit_or_split(self: TorchEngine, reqs: list) -> list:
     "The parts `_admit` builds for `reqs`; if that raises, admit them one by one: the error reaches only its requests."
-    try: return self._admit(reqs)
+    try:
+        return self._admit(reqs)
     except Exception as e:
-        if len(reqs) > 1: return [part for r in reqs for part in self._admit_or_split([r])]
+        if len(reqs) > 1:
+            return [part for r in reqs for part in self._admit_or_split([r])]
         reqs[0].resolve(error=e)
         return []
 
-def _stacked(parts:list) -> tuple:
+
+def _stacked(parts: list) -> tuple:
     "The (requests, rows, cache) parts of one admission as one (caches right-aligned by `SlotCache.merge`)."
     reqs, rows, cache = parts[0]
-    for r, w, c in parts[1:]: reqs, rows, cache = reqs + r, rows.cat(w), SlotCache.merge(cache, c)
+    for r, w, c in parts[1:]:
+        reqs, rows, cache = reqs + r, rows.cat(w), SlotCache.merge(cache, c)
     return reqs, rows, cache
 
-@patch
-def _step(self:TorchEngine):
-    "One decode step; if it raises, all running rows fail (they shared the forward: no culprit to tell)."
-    try: self._decode()
-    except Exception as e: self._fail_running(e)
 
 @patch
-def _fail_running(self:TorchEngine, error:Exception|None):
+def _step(self: TorchEngine):
+    "One decode step; if it raises, all running rows fail (they shared the forward: no culprit to tell)."
+    try:
+        self._decode()
+    except Exception as e:
+        self._fail_running(e)
+
+
+@patch
+def _fail_running(self: TorchEngine, error: Exception | None):
     "Resolve every running request with `error` (None: already resolved) and empty the batch."
     if error is not None:
-        for r in self._reqs: r.resolve(error=error)
+        for r in self._reqs:
+            r.resolve(error=error)
     self._reqs, self._rows, self._cache = [], None, None
 
 # %% ../nbs/02_engine.ipynb #ef671fba
 @patch
-def _forward(self:TorchEngine, ids, pos, mask, cache):
+def _forward(self: TorchEngine, ids, pos, mask, cache):
     "Logits `(S, V)` at the last position; advances the cache."
     self._captured.clear()
-    if ids.shape[1] == 1 and self._fast: logits = self._fast(ids, pos, mask, cache)
-    else: logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                              use_cache=True, logits_to_keep=1).logits[:, -1]
+    if ids.shape[1] == 1 and self._fast:
+        logits = self._fast(ids, pos, mask, cache)
+    else:
+        logits = self.model(
+            input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1
+        ).logits[:, -1]
     cache.length += ids.shape[1]
     return logits.float()
 
+
 @patch
-def _routes(self:TorchEngine, rows, cols):
+def _routes(self: TorchEngine, rows, cols):
     "Expert ids captured in the last forward as `(rows, cols, layers, top_k)`; -1 for dense layers."
     out = torch.full((rows, cols, *self._route_shape), -1, dtype=torch.int16)
-    for i, idx in self._captured.items(): out[:, :, i] = idx.view(rows, cols, -1)
+    for i, idx in self._captured.items():
+        out[:, :, i] = idx.view(rows, cols, -1)
     return out
 
 # %% ../nbs/02_engine.ipynb #bd1ca028
 @patch
-def _new_rows(self:TorchEngine, reqs, pos):
+def _new_rows(self: TorchEngine, reqs, pos):
     "Fresh `_Rows` for admitted requests."
     S, M, sp = len(reqs), max(r.max_new for r in reqs), [r.sampling for r in reqs]
     stop = torch.full((S, max([len(s.stop_token_ids) for s in sp] + [1])), -1)
-    for i, s in enumerate(sp): stop[i, :len(s.stop_token_ids)] = torch.tensor(s.stop_token_ids, dtype=torch.long)
+    for i, s in enumerate(sp):
+        stop[i, : len(s.stop_token_ids)] = torch.tensor(s.stop_token_ids, dtype=torch.long)
     keys = torch.tensor([r.key for r in reqs])[:, None].expand(S, M)
-    return _Rows(uniform=counter_uniform(keys.flatten(), torch.arange(M).repeat(S)).view(S, M), pos=pos, count=torch.zeros(S, dtype=torch.long),
-                 temperature=torch.tensor([float(s.temperature) for s in sp]), top_k=torch.tensor([s.top_k for s in sp]),
-                 top_p=torch.tensor([float(s.top_p) for s in sp]), max_new=torch.tensor([r.max_new for r in reqs]), stop=stop,
-                 tokens=torch.zeros(S, M, dtype=torch.long), logprobs=torch.zeros(S, M), versions=torch.zeros(S, M, dtype=torch.int32),
-                 routes=torch.full((S, M, *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None)
+    return _Rows(
+        uniform=counter_uniform(keys.flatten(), torch.arange(M).repeat(S)).view(S, M),
+        pos=pos,
+        count=torch.zeros(S, dtype=torch.long),
+        temperature=torch.tensor([float(s.temperature) for s in sp]),
+        top_k=torch.tensor([s.top_k for s in sp]),
+        top_p=torch.tensor([float(s.top_p) for s in sp]),
+        max_new=torch.tensor([r.max_new for r in reqs]),
+        stop=stop,
+        tokens=torch.zeros(S, M, dtype=torch.long),
+        logprobs=torch.zeros(S, M),
+        versions=torch.zeros(S, M, dtype=torch.int32),
+        routes=torch.full((S, M, *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None,
+    )
+
 
 @patch
-def _prefill(self:TorchEngine, seqs:list) -> tuple:
+def _prefill(self: TorchEngine, seqs: list) -> tuple:
     "Prefill `seqs` as one left-padded batch: (last logits, cache, next positions, routes of each or None)."
     ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype)
     logits = self._forward(ids, pos, mask, cache)
-    if not self._route_shape: return logits, cache, pos[:, -1] + 1, None
-    return logits, cache, pos[:, -1] + 1, [row[ids.shape[1] - len(s):] for s, row in zip(seqs, self._routes(*ids.shape))]
+    if not self._route_shape:
+        return logits, cache, pos[:, -1] + 1, None
+    return (
+        logits,
+        cache,
+        pos[:, -1] + 1,
+        [row[ids.shape[1] - len(s) :] for s, row in zip(seqs, self._routes(*ids.shape))],
+    )
+
 
 @patch
-def _admit(self:TorchEngine, reqs) -> list:
+def _admit(self: TorchEngine, reqs) -> list:
     "Prefill `reqs` and sample a first token: [(requests, rows, cache)] of those that go on (the batch is untouched)."
     logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
-    for r, row in zip(reqs, routes or []): r.routes = row
+    for r, row in zip(reqs, routes or []):
+        r.routes = row
     rows = self._new_rows(reqs, pos)
     finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
-    if len(keep) < len(reqs): rows, cache = rows.take(keep), cache.take(keep)
-    self.stats["prefills"] += 1; self.stats["requests"] += len(reqs)
-    for req, gen in finished: req.resolve(gen)
+    if len(keep) < len(reqs):
+        rows, cache = rows.take(keep), cache.take(keep)
+    self.stats["prefills"] += 1
+    self.stats["requests"] += len(reqs)
+    for req, gen in finished:
+        req.resolve(gen)
     return [([reqs[i] for i in keep.tolist()], rows, cache)] if len(keep) else []
 
+
 @patch
-def _join(self:TorchEngine, reqs:list, rows:_Rows, cache:SlotCache):
+def _join(self: TorchEngine, reqs: list, rows: _Rows, cache: SlotCache):
     "Append admitted rows and their cache to the running batch; assigns nothing until all is built."
     headroom = int(rows.max_new.max())
-    if self._cache is None: merged, joined = cache, rows
-    else: merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
+    if self._cache is None:
+        merged, joined = cache, rows
+    else:
+        merged, joined = SlotCache.merge(self._cache, cache, headroom), self._rows.cat(rows)
     merged.reserve(headroom)
     self._cache, self._rows, self._reqs = merged, joined, self._reqs + reqs
     self._flags = joined.flags(self.vocab_size)
 
+
 @patch
-def _refill(self:TorchEngine):
+def _refill(self: TorchEngine):
     "Recompute the running rows' cache and routes under the current weights (all tokens but each row's last)."
     r, reqs, kept, cache, self._stale = self._rows, self._reqs, [], None, False
-    seqs = [torch.cat([q.prompt, r.tokens[i, :n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
+    seqs = [torch.cat([q.prompt, r.tokens[i, : n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
     for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
-        try: _, part, _, routes = self._prefill([seqs[i] for i in group])
-        except Exception as e: # an OOM, say: these rows cannot go on (their cache is the old weights'), the rest can
-            for i in group: reqs[i].resolve(error=e)
+        try:
+            _, part, _, routes = self._prefill([seqs[i] for i in group])
+        except Exception as e:  # an OOM, say: these rows cannot go on (their cache is the old weights'), the rest can
+            for i in group:
+                reqs[i].resolve(error=e)
             continue
         for i, row in zip(group, routes or []):
             P = len(reqs[i].prompt)
-            reqs[i].routes, r.routes[i, :len(row) - P] = row[:P], row[P:]
+            reqs[i].routes, r.routes[i, : len(row) - P] = row[:P], row[P:]
         cache, kept = part if cache is None else SlotCache.merge(cache, part), kept + group
-    if not kept: return self._fail_running(None)
+    if not kept:
+        return self._fail_running(None)
     rows = r.take(torch.tensor(kept))
     cache.reserve(int((rows.max_new - rows.count).max()) + 1)
     self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in kept]
     self._flags = rows.flags(self.vocab_size)
 
+
 @patch
-def _decode(self:TorchEngine):
+def _decode(self: TorchEngine):
     "Feed every row its last sampled token, sample the next, finish the rows that are done."
     r, S = self._rows, len(self._reqs)
     self._cache.reserve(1)
-    logits = self._forward(r.tokens.gather(1, (r.count - 1)[:, None]), r.pos[:, None], self._cache.decode_mask(self.dtype), self._cache)
+    logits = self._forward(
+        r.tokens.gather(1, (r.count - 1)[:, None]), r.pos[:, None], self._cache.decode_mask(self.dtype), self._cache
+    )
     r.pos += 1
-    if self._route_shape: r.routes[torch.arange(S), r.count - 1] = self._routes(S, 1)[:, 0]
+    if self._route_shape:
+        r.routes[torch.arange(S), r.count - 1] = self._routes(S, 1)[:, 0]
     done, stopped = self._sample(logits, r, self._reqs, self._flags)
-    if done.any(): self._finish(done, stopped)
+    if done.any():
+        self._finish(done, stopped)
 
 # %% ../nbs/02_engine.ipynb #2dba0abb
 @patch
-def _scratch(self:TorchEngine, S:int, V:int) -> torch.Tensor:
+def _scratch(self: TorchEngine, S: int, V: int) -> torch.Tensor:
     "An `(S, V)` float64 view of a buffer kept across steps: it doubles as batches grow, up to `max_batch` rows."
     if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V:
         grown = 2 * len(self._cdf) if self._cdf is not None and self._cdf.shape[1] == V else S
         self._cdf = torch.empty(max(S, min(grown, self.max_batch)), V, dtype=torch.float64)
     return self._cdf[:S]
 
+
 @patch
-def _sample(self:TorchEngine, logits, rows:_Rows, reqs:list, flags:tuple) -> tuple:
+def _sample(self: TorchEngine, logits, rows: _Rows, reqs: list, flags: tuple) -> tuple:
     "Sample and record one token per row of `rows` from `logits` `(S, V)`; return `(S,)` masks done, stopped."
     (filtered, greedy, stops), t, c = flags, rows.temperature, rows.count
-    logp = (process_logits(logits, t, rows.top_k, rows.top_p) if filtered else process_logits(logits, t)).log_softmax(-1)
+    logp = (process_logits(logits, t, rows.top_k, rows.top_p) if filtered else process_logits(logits, t)).log_softmax(
+        -1
+    )
     tok = inverse_cdf(logp, rows.uniform.gather(1, c[:, None]), self._scratch(*logp.shape))
-    past_end = tok == logits.shape[-1] # u rounded up to the total: rare, so checked before paying for argmax
-    if greedy or past_end.any(): tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
+    past_end = tok == logits.shape[-1]  # u rounded up to the total: rare, so checked before paying for argmax
+    if greedy or past_end.any():
+        tok = torch.where(past_end | (t[:, None] == 0), logp.argmax(-1, keepdim=True), tok)
     rows.tokens.scatter_(1, c[:, None], tok)
     rows.logprobs.scatter_(1, c[:, None], logp.gather(-1, tok))
     rows.versions.scatter_(1, c[:, None], torch.full_like(c[:, None], self.version, dtype=torch.int32))
     c += 1
-    self.stats["steps"] += 1; self.stats["tokens"] += len(t)
+    self.stats["steps"] += 1
+    self.stats["tokens"] += len(t)
     stopped = (tok == rows.stop).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
     done = stopped | (c >= rows.max_new)
-    if any(q.cancelled for q in reqs): done |= torch.tensor([q.cancelled for q in reqs])
+    if any(q.cancelled for q in reqs):
+        done |= torch.tensor([q.cancelled for q in reqs])
     return done, stopped
 
 # %% ../nbs/02_engine.ipynb #54a978f0
 @patch
-def _results(self:TorchEngine, rows:_Rows, reqs:list, idx:list, reasons:list) -> list:
+def _results(self: TorchEngine, rows: _Rows, reqs: list, idx: list, reasons: list) -> list:
     "(request, Generation) of rows `idx` of `rows` (one gather per field, then views per row)."
     i = torch.tensor(idx, dtype=torch.long)
     tokens, logprobs, versions = rows.tokens[i], rows.logprobs[i], rows.versions[i]
@@ -492,36 +655,45 @@ def _results(self:TorchEngine, rows:_Rows, reqs:list, idx:list, reasons:list) ->
     for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
         req = reqs[k]
         route = torch.cat([req.routes, routes[j, :n]]) if routes is not None else None
-        out.append((req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n], route, reasons[j], len(req.prompt))))
+        out.append(
+            (req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n], route, reasons[j], len(req.prompt)))
+        )
     return out
 
+
 @patch
-def _settle(self:TorchEngine, rows:_Rows, reqs:list, done, stopped) -> tuple:
+def _settle(self: TorchEngine, rows: _Rows, reqs: list, done, stopped) -> tuple:
     "The (request, Generation) pairs of the `done` rows, and the indices of the rows that go on."
     reasons = ["stop" if s else "length" for s in stopped[done].tolist()]
     return self._results(rows, reqs, done.nonzero()[:, 0].tolist(), reasons), (~done).nonzero()[:, 0]
 
+
 @patch
-def _finish(self:TorchEngine, done, stopped):
+def _finish(self: TorchEngine, done, stopped):
     "Resolve the running rows that are `done` and drop them from the batch."
     finished, keep = self._settle(self._rows, self._reqs, done, stopped)
     self._reqs = [self._reqs[i] for i in keep.tolist()]
     if self._reqs:
         self._cache, self._rows = self._cache.take(keep), self._rows.take(keep)
         self._flags = self._rows.flags(self.vocab_size)
-    else: self._cache, self._rows = None, None
-    for req, gen in finished: req.resolve(gen)
+    else:
+        self._cache, self._rows = None, None
+    for req, gen in finished:
+        req.resolve(gen)
+
 
 @patch
-def _abort(self:TorchEngine):
+def _abort(self: TorchEngine):
     "Finish every running and queued request now with reason 'abort' (partial tokens kept)."
     if self._reqs:
         n = len(self._reqs)
-        for req, gen in self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n): req.resolve(gen)
-    with self._cv: pending, self._pending = self._pending, []
+        for req, gen in self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n):
+            req.resolve(gen)
+    with self._cv:
+        pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
     shape = self._route_shape
-    for req in pending: # never prefilled: its routes are unknown (-1) on a MoE model
+    for req in pending:  # never prefilled: its routes are unknown (-1) on a MoE model
         P = len(req.prompt)
         routes = torch.full((P, *shape), -1, dtype=torch.int16) if shape else None
         req.resolve(Generation(empty(torch.long), empty(torch.float32), empty(torch.int32), routes, "abort", P))
@@ -529,10 +701,17 @@ def _abort(self:TorchEngine):
 
 # %% ../nbs/02_engine.ipynb #6f439c4b
 @patch
-def to_frame(self:Generation, tokenizer=None):
+def to_frame(self: Generation, tokenizer=None):
     "One row per sampled token: id, text, logprob, version."
     import pandas as pd
+
     ids = self.token_ids.tolist()
     text = [tokenizer.decode([i]) for i in ids] if tokenizer is not None else None
-    return pd.DataFrame(dict(token_id=ids, **({"text": text} if text else {}),
-                             logprob=self.logprobs.tolist(), version=self.versions.tolist()))
+    return pd.DataFrame(
+        dict(
+            token_id=ids,
+            **({"text": text} if text else {}),
+            logprob=self.logprobs.tolist(),
+            version=self.versions.tolist(),
+        )
+    )

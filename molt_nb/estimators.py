@@ -20,67 +20,94 @@ from .golden import Golden, golden_case, _ROLLOUTS, _segment
 @dataclass(eq=False)
 class AdvantageInput:
     "What an advantage estimator reads; per-token fields are (B, T) on the next-token axis"
-    rewards:Tensor # (B,) float32 reward of each row's rollout (equal on all rows of one rollout)
-    action_mask:Tensor # (B, T) bool, True where the policy sampled token t+1
-    rollout_index:Tensor # (B,) int64 rollout of each row, numbered 0..N-1
-    group_index:Tensor # (N,) int64 group of each rollout, numbered 0..G-1
-    logprobs:Tensor|None=None # (B, T) behaviour logprobs (the student's, for on_policy_distill)
-    kl:Tensor|None=None # (B, T) per-token KL estimate of the policy against a reference, a penalty in the reward
-    values:Tensor|None=None # (B, T) a critic's value of the state before token t+1 (gae)
-    teacher_logprobs:Tensor|None=None # (B, T) a teacher's logprobs of the sampled tokens (on_policy_distill)
-    kl_coef:float=0.0 # weight of the KL penalty in reinforce and gae token rewards
-    distill_coef:float=1.0 # weight of the teacher's advantage in on_policy_distill
-    gamma:float=1.0 # discount over action tokens
-    lam:float=1.0 # GAE lambda
-    eps:float=1e-6 # added to the group std in grpo
+
+    rewards: Tensor  # (B,) float32 reward of each row's rollout (equal on all rows of one rollout)
+    action_mask: Tensor  # (B, T) bool, True where the policy sampled token t+1
+    rollout_index: Tensor  # (B,) int64 rollout of each row, numbered 0..N-1
+    group_index: Tensor  # (N,) int64 group of each rollout, numbered 0..G-1
+    logprobs: Tensor | None = None  # (B, T) behaviour logprobs (the student's, for on_policy_distill)
+    kl: Tensor | None = None  # (B, T) per-token KL estimate of the policy against a reference, a penalty in the reward
+    values: Tensor | None = None  # (B, T) a critic's value of the state before token t+1 (gae)
+    teacher_logprobs: Tensor | None = None  # (B, T) a teacher's logprobs of the sampled tokens (on_policy_distill)
+    kl_coef: float = 0.0  # weight of the KL penalty in reinforce and gae token rewards
+    distill_coef: float = 1.0  # weight of the teacher's advantage in on_policy_distill
+    gamma: float = 1.0  # discount over action tokens
+    lam: float = 1.0  # GAE lambda
+    eps: float = 1e-6  # added to the group std in grpo
 
     @property
-    def num_rollouts(self) -> int: return len(self.group_index)
+    def num_rollouts(self) -> int:
+        return len(self.group_index)
 
 # %% ../nbs/07_estimators.ipynb #a3ba240b
-def _number(ids:list) -> Tensor:
+def _number(ids: list) -> Tensor:
     "Each id's index in the order ids first appear"
     order = {}
     return torch.tensor([order.setdefault(i, len(order)) for i in ids], dtype=torch.int64)
 
-def advantage_input(batch:Batch, # collated rollouts
-                    **fields, # optional tensors (kl, values, teacher_logprobs) and settings of AdvantageInput
-                   ) -> AdvantageInput:
+
+def advantage_input(
+    batch: Batch,  # collated rollouts
+    **fields,  # optional tensors (kl, values, teacher_logprobs) and settings of AdvantageInput
+) -> AdvantageInput:
     "The estimators' view of `batch`: rewards, action mask, behaviour logprobs and rollout/group numbering"
     rollout_index = _number(batch.rollout_ids)
     first = {}
-    for row, r in enumerate(rollout_index.tolist()): first.setdefault(r, row)
+    for row, r in enumerate(rollout_index.tolist()):
+        first.setdefault(r, row)
     group_index = _number([batch.group_ids[row] for row in first.values()])
-    x = AdvantageInput(batch.rewards, batch.action_mask, rollout_index.to(batch.rewards.device), group_index.to(batch.rewards.device),
-                       logprobs=batch.logprobs, **fields)
+    x = AdvantageInput(
+        batch.rewards,
+        batch.action_mask,
+        rollout_index.to(batch.rewards.device),
+        group_index.to(batch.rewards.device),
+        logprobs=batch.logprobs,
+        **fields,
+    )
     _check_input(x, batch.rollout_ids)
     return x
 
 # %% ../nbs/07_estimators.ipynb #c203602f
-def _check_input(x:AdvantageInput, rollout_ids:list|None=None):
+def _check_input(x: AdvantageInput, rollout_ids: list | None = None):
     "Raise if `x` has inconsistent rewards, shapes or settings"
     B, T = x.action_mask.shape
     first = rollout_rewards(x)[x.rollout_index]
     if (bad := first != x.rewards).any():
         row = int(bad.nonzero()[0, 0])
         name = rollout_ids[row] if rollout_ids else int(x.rollout_index[row])
-        raise ValueError(f"rollout {name!r} has rewards {x.rewards[x.rollout_index == x.rollout_index[row]].tolist()} on its segments: a rollout has one reward; give every segment of it the same reward")
+        raise ValueError(
+            f"rollout {name!r} has rewards {x.rewards[x.rollout_index == x.rollout_index[row]].tolist()} on its segments: a rollout has one reward; give every segment of it the same reward"
+        )
     for name in ('logprobs', 'kl', 'values', 'teacher_logprobs'):
         v = getattr(x, name)
-        if v is not None and tuple(v.shape) != (B, T): raise ValueError(f"AdvantageInput.{name} has shape {tuple(v.shape)}, expected (B, T) = {(B, T)}: one value per position of the next-token axis")
-    for name, lo, hi in (('gamma', 0, 1), ('lam', 0, 1), ('kl_coef', 0, float('inf')), ('distill_coef', 0, float('inf'))):
-        if not lo <= getattr(x, name) <= hi: raise ValueError(f"AdvantageInput.{name} is {getattr(x, name)}, expected a value in [{lo}, {hi}]")
-    if not x.eps > 0: raise ValueError(f"AdvantageInput.eps is {x.eps}, expected > 0 (it keeps grpo finite when a group's rewards are all equal)")
+        if v is not None and tuple(v.shape) != (B, T):
+            raise ValueError(
+                f"AdvantageInput.{name} has shape {tuple(v.shape)}, expected (B, T) = {(B, T)}: one value per position of the next-token axis"
+            )
+    for name, lo, hi in (
+        ('gamma', 0, 1),
+        ('lam', 0, 1),
+        ('kl_coef', 0, float('inf')),
+        ('distill_coef', 0, float('inf')),
+    ):
+        if not lo <= getattr(x, name) <= hi:
+            raise ValueError(f"AdvantageInput.{name} is {getattr(x, name)}, expected a value in [{lo}, {hi}]")
+    if not x.eps > 0:
+        raise ValueError(
+            f"AdvantageInput.eps is {x.eps}, expected > 0 (it keeps grpo finite when a group's rewards are all equal)"
+        )
 
 # %% ../nbs/07_estimators.ipynb #c37889b6
-def rollout_rewards(x:AdvantageInput) -> Tensor:
+def rollout_rewards(x: AdvantageInput) -> Tensor:
     "(N,) one reward per rollout (the first row's)"
     out = x.rewards.new_zeros(x.num_rollouts)
     return out.index_put_((x.rollout_index.flip(0),), x.rewards.flip(0))  # flipped: the first row is written last
 
-def group_stats(values:Tensor, # (N,) one value per rollout
-                group_index:Tensor, # (N,) group of each rollout
-               ) -> tuple:
+
+def group_stats(
+    values: Tensor,  # (N,) one value per rollout
+    group_index: Tensor,  # (N,) group of each rollout
+) -> tuple:
     "Each rollout's group size, mean and unbiased std (std 0 for a group of one or of equal values), all (N,) in `values`' dtype"
     v = values.double()
     G = int(group_index.max()) + 1 if len(group_index) else 0
@@ -90,75 +117,97 @@ def group_stats(values:Tensor, # (N,) one value per rollout
     flat = hi == v.new_zeros(G).scatter_reduce_(0, group_index, v, 'amin', include_self=False)
     mean = torch.where(flat, hi, mean)  # all equal: the exact value, so deviations are exactly 0
     sq = v.new_zeros(G).index_add_(0, group_index, (v - mean[group_index]) ** 2)
-    std = torch.where(flat, 0., (sq / (n - 1).clamp(min=1)).sqrt())
+    std = torch.where(flat, 0.0, (sq / (n - 1).clamp(min=1)).sqrt())
     return tuple(t[group_index].to(values.dtype) for t in (n, mean, std))
 
-def to_tokens(x:AdvantageInput, per_rollout:Tensor) -> Tensor:
+
+def to_tokens(x: AdvantageInput, per_rollout: Tensor) -> Tensor:
     "(B, T) `per_rollout` (N,) copied onto every action token of every row of each rollout, in the rewards' dtype"
-    return torch.where(x.action_mask, per_rollout[x.rollout_index][:, None], 0.).to(x.rewards.dtype)
+    return torch.where(x.action_mask, per_rollout[x.rollout_index][:, None], 0.0).to(x.rewards.dtype)
 
 # %% ../nbs/07_estimators.ipynb #3b2749d0
 @dataclass(frozen=True)
 class Estimator:
     "A registered advantage estimator"
-    fn:Callable # fn(x: AdvantageInput) -> (B, T) advantages
-    whiten:bool=False # normalise over the batch's action tokens by default
-    needs:tuple=() # AdvantageInput fields that must not be None
-    grouped:bool=False # the baseline compares rollouts of one group: a run needs n_samples >= 2 per prompt
 
-ESTIMATORS = {} # name -> Estimator
+    fn: Callable  # fn(x: AdvantageInput) -> (B, T) advantages
+    whiten: bool = False  # normalise over the batch's action tokens by default
+    needs: tuple = ()  # AdvantageInput fields that must not be None
+    grouped: bool = False  # the baseline compares rollouts of one group: a run needs n_samples >= 2 per prompt
 
-def estimator(name:str, # the name a run's `algo.estimator` selects it by
-              whiten:bool=False, # as `Estimator.whiten`
-              needs:tuple=(), # as `Estimator.needs`
-              grouped:bool=False, # as `Estimator.grouped`
-              replace:bool=False, # replace a different function registered as `name` (a hot swap)
-             ):
+
+ESTIMATORS = {}  # name -> Estimator
+
+
+def estimator(
+    name: str,  # the name a run's `algo.estimator` selects it by
+    whiten: bool = False,  # as `Estimator.whiten`
+    needs: tuple = (),  # as `Estimator.needs`
+    grouped: bool = False,  # as `Estimator.grouped`
+    replace: bool = False,  # replace a different function registered as `name` (a hot swap)
+):
     "Register `fn(x: AdvantageInput) -> (B, T) advantages` as the estimator `name`"
+
     def register(fn):
         old = ESTIMATORS.get(name)
         check_registration('estimator', name, None if old is None else old.fn, fn, replace)
         ESTIMATORS[name] = Estimator(fn, whiten, tuple(needs), grouped)
         return fn
+
     return register
 
-def get_estimator(name:str) -> Estimator:
+
+def get_estimator(name: str) -> Estimator:
     "The estimator registered as `name`"
-    if name not in ESTIMATORS: raise ValueError(f"unknown advantage estimator {name!r}: known ones are {sorted(ESTIMATORS)}; register yours with @estimator({name!r})")
+    if name not in ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}: known ones are {sorted(ESTIMATORS)}; register yours with @estimator({name!r})"
+        )
     return ESTIMATORS[name]
 
 # %% ../nbs/07_estimators.ipynb #4aaf1b10
-def whitened(adv:Tensor, # (B, T) advantages
-           mask:Tensor, # (B, T) bool action mask
-          ) -> Tensor:
+def whitened(
+    adv: Tensor,  # (B, T) advantages
+    mask: Tensor,  # (B, T) bool action mask
+) -> Tensor:
     "(B, T) `adv` normalised over the masked tokens, zero elsewhere"
     n = mask.sum()
-    if n == 0: return torch.zeros_like(adv)
+    if n == 0:
+        return torch.zeros_like(adv)
     a = adv.double()
-    mean = torch.where(mask, a, 0.).sum() / n
-    centred = torch.where(mask, a - mean, 0.)
-    std = (centred ** 2).sum().div(n).sqrt()
+    mean = torch.where(mask, a, 0.0).sum() / n
+    centred = torch.where(mask, a - mean, 0.0)
+    std = (centred**2).sum().div(n).sqrt()
     out = centred if std < 1e-6 * (1 + mean.abs()) else centred / std
     return out.to(adv.dtype)
 
-def compute_advantages(x:AdvantageInput, # the batch as estimators see it
-                       estimator:str|Callable='grpo', # a registered name, or a function fn(x) -> (B, T)
-                       whiten:bool|None=None, # whiten the result; None: the estimator's default
-                      ) -> Tensor:
+
+def compute_advantages(
+    x: AdvantageInput,  # the batch as estimators see it
+    estimator: str | Callable = 'grpo',  # a registered name, or a function fn(x) -> (B, T)
+    whiten: bool | None = None,  # whiten the result; None: the estimator's default
+) -> Tensor:
     "(B, T) advantages of `x` under `estimator`, zero off the action tokens"
     est = get_estimator(estimator) if isinstance(estimator, str) else Estimator(estimator)
     label = estimator if isinstance(estimator, str) else getattr(estimator, '__name__', 'the estimator')
     for name in est.needs:
-        if getattr(x, name) is None: raise ValueError(f"estimator {label!r} needs AdvantageInput.{name}, which is None: pass {name}=... to advantage_input")
+        if getattr(x, name) is None:
+            raise ValueError(
+                f"estimator {label!r} needs AdvantageInput.{name}, which is None: pass {name}=... to advantage_input"
+            )
     adv = est.fn(x)
-    if not isinstance(adv, Tensor) or adv.shape != x.action_mask.shape: raise ValueError(f"estimator {label!r} returned {tuple(adv.shape) if isinstance(adv, Tensor) else type(adv).__name__}, expected a tensor of shape (B, T) = {tuple(x.action_mask.shape)}")
-    if not torch.where(x.action_mask, adv, 0.).isfinite().all(): raise ValueError(f"estimator {label!r} returned non-finite advantages on action tokens")
-    adv = torch.where(x.action_mask, adv.float(), 0.)
+    if not isinstance(adv, Tensor) or adv.shape != x.action_mask.shape:
+        raise ValueError(
+            f"estimator {label!r} returned {tuple(adv.shape) if isinstance(adv, Tensor) else type(adv).__name__}, expected a tensor of shape (B, T) = {tuple(x.action_mask.shape)}"
+        )
+    if not torch.where(x.action_mask, adv, 0.0).isfinite().all():
+        raise ValueError(f"estimator {label!r} returned non-finite advantages on action tokens")
+    adv = torch.where(x.action_mask, adv.float(), 0.0)
     return whitened(adv, x.action_mask) if (est.whiten if whiten is None else whiten) else adv
 
 # %% ../nbs/07_estimators.ipynb #0d6a6f5d
 @estimator('grpo', grouped=True)
-def grpo(x:AdvantageInput) -> Tensor:
+def grpo(x: AdvantageInput) -> Tensor:
     "Group-normalised reward: (R - group mean) / (group std + eps)"
     R = rollout_rewards(x).double()
     n, mean, std = group_stats(R, x.group_index)
@@ -166,53 +215,60 @@ def grpo(x:AdvantageInput) -> Tensor:
 
 # %% ../nbs/07_estimators.ipynb #e233703e
 @estimator('dr_grpo', grouped=True)
-def dr_grpo(x:AdvantageInput) -> Tensor:
+def dr_grpo(x: AdvantageInput) -> Tensor:
     "Mean-centred reward, no std division: R - group mean"
     R = rollout_rewards(x).double()
     return to_tokens(x, R - group_stats(R, x.group_index)[1])
 
+
 @estimator('reinforce_baseline', whiten=True, grouped=True)
-def reinforce_baseline(x:AdvantageInput) -> Tensor:
+def reinforce_baseline(x: AdvantageInput) -> Tensor:
     "REINFORCE with the group mean as baseline (whitened by default)"
     return dr_grpo(x)
 
 # %% ../nbs/07_estimators.ipynb #5280b367
 @estimator('rloo', grouped=True)
-def rloo(x:AdvantageInput) -> Tensor:
+def rloo(x: AdvantageInput) -> Tensor:
     "Leave-one-out baseline: R_i minus the mean reward of the other rollouts of its group"
     R = rollout_rewards(x).double()
     n, mean, _ = group_stats(R, x.group_index)
     return to_tokens(x, torch.where(n > 1, R - (n * mean - R) / (n - 1).clamp(min=1), R))
 
 # %% ../nbs/07_estimators.ipynb #a39bb8c0
-def discounted(r:Tensor, # (B, T) per-token rewards
-               mask:Tensor, # (B, T) bool action mask; other positions are skipped
-               gamma:float, # discount per action token
-              ) -> Tensor:
+def discounted(
+    r: Tensor,  # (B, T) per-token rewards
+    mask: Tensor,  # (B, T) bool action mask; other positions are skipped
+    gamma: float,  # discount per action token
+) -> Tensor:
     "(B, T) discounted return over action tokens, zero elsewhere"
-    r = torch.where(mask, r, 0.)
-    if gamma == 1: return torch.where(mask, r.flip(1).cumsum(1).flip(1), 0.)
+    r = torch.where(mask, r, 0.0)
+    if gamma == 1:
+        return torch.where(mask, r.flip(1).cumsum(1).flip(1), 0.0)
     out, carry = torch.zeros_like(r), r.new_zeros(len(r))
     for t in range(r.shape[1] - 1, -1, -1):
         carry = torch.where(mask[:, t], r[:, t] + gamma * carry, carry)
         out[:, t] = carry
-    return torch.where(mask, out, 0.)
+    return torch.where(mask, out, 0.0)
 
-def token_rewards(x:AdvantageInput) -> Tensor:
+
+def token_rewards(x: AdvantageInput) -> Tensor:
     "(B, T) -kl_coef * kl on action tokens, plus the reward on each row's last action token"
-    if x.kl_coef > 0 and x.kl is None: raise ValueError(f"AdvantageInput.kl_coef is {x.kl_coef} but AdvantageInput.kl is None, so the KL penalty would be dropped: pass kl=... (per-token KL against the reference, e.g. logp - logp_ref) to advantage_input, or set kl_coef=0")
+    if x.kl_coef > 0 and x.kl is None:
+        raise ValueError(
+            f"AdvantageInput.kl_coef is {x.kl_coef} but AdvantageInput.kl is None, so the KL penalty would be dropped: pass kl=... (per-token KL against the reference, e.g. logp - logp_ref) to advantage_input, or set kl_coef=0"
+        )
     kl = torch.zeros_like(x.rewards)[:, None] if x.kl_coef == 0 else x.kl
     last = x.action_mask & (x.action_mask.cumsum(1) == x.action_mask.sum(1, keepdim=True))
-    return torch.where(x.action_mask, -x.kl_coef * kl + torch.where(last, x.rewards[:, None], 0.), 0.)
+    return torch.where(x.action_mask, -x.kl_coef * kl + torch.where(last, x.rewards[:, None], 0.0), 0.0)
 
 # %% ../nbs/07_estimators.ipynb #0fd635e3
 @estimator('reinforce', whiten=True)
-def reinforce(x:AdvantageInput) -> Tensor:
+def reinforce(x: AdvantageInput) -> Tensor:
     "REINFORCE++: discounted return of KL-penalised token rewards (whitened by default)"
     return discounted(token_rewards(x), x.action_mask, x.gamma)
 
 # %% ../nbs/07_estimators.ipynb #eed85632
-def _gae(x:AdvantageInput) -> Tensor:
+def _gae(x: AdvantageInput) -> Tensor:
     "(B, T) GAE advantages before whitening"
     r, v, m = token_rewards(x), x.values.float(), x.action_mask
     adv, next_v, run = torch.zeros_like(r), r.new_zeros(len(r)), r.new_zeros(len(r))
@@ -221,48 +277,61 @@ def _gae(x:AdvantageInput) -> Tensor:
         run = torch.where(m[:, t], delta + x.gamma * x.lam * run, run)
         next_v = torch.where(m[:, t], v[:, t], next_v)
         adv[:, t] = run
-    return torch.where(m, adv, 0.)
+    return torch.where(m, adv, 0.0)
+
 
 @estimator('gae', whiten=True, needs=('values',))
-def gae(x:AdvantageInput) -> Tensor:
+def gae(x: AdvantageInput) -> Tensor:
     "Generalised advantage estimation over action tokens with a critic's values (whitened by default)"
     return _gae(x)
 
-def gae_returns(x:AdvantageInput) -> Tensor:
+
+def gae_returns(x: AdvantageInput) -> Tensor:
     "(B, T) the critic's regression targets: unwhitened GAE advantages plus values, zero off action tokens"
-    return torch.where(x.action_mask, _gae(x) + x.values, 0.)
+    return torch.where(x.action_mask, _gae(x) + x.values, 0.0)
 
 # %% ../nbs/07_estimators.ipynb #aee3c77e
 @estimator('on_policy_distill', needs=('teacher_logprobs', 'logprobs'))
-def on_policy_distill(x:AdvantageInput) -> Tensor:
+def on_policy_distill(x: AdvantageInput) -> Tensor:
     "Per-token reverse KL to a teacher as the advantage: distill_coef * (teacher logp - student logp)"
-    return torch.where(x.action_mask, x.distill_coef * (x.teacher_logprobs - x.logprobs), 0.)
+    return torch.where(x.action_mask, x.distill_coef * (x.teacher_logprobs - x.logprobs), 0.0)
 
 # %% ../nbs/07_estimators.ipynb #31ac48c6
 BUILTIN_ESTIMATORS = ('reinforce', 'reinforce_baseline', 'rloo', 'grpo', 'dr_grpo', 'gae', 'on_policy_distill')
 
+
 def golden_input(g) -> AdvantageInput:
     "The golden batch as estimators see it (`g` is a `molt_nb.golden.Golden`)"
-    return advantage_input(g.batch, kl=g.logp - g.logp_ref, values=g.values, teacher_logprobs=g.logp_teacher, kl_coef=0.05, lam=0.95)
+    return advantage_input(
+        g.batch, kl=g.logp - g.logp_ref, values=g.values, teacher_logprobs=g.logp_teacher, kl_coef=0.05, lam=0.95
+    )
+
 
 for _name in BUILTIN_ESTIMATORS:
     golden_case(f"adv/{_name}")(lambda g, name=_name: dict(advantages=compute_advantages(golden_input(g), name)))
 
+
 @golden_case('adv/reinforce_gamma')
-def _reinforce_gamma(g): return dict(advantages=compute_advantages(replace(golden_input(g), gamma=0.9), 'reinforce'))
+def _reinforce_gamma(g):
+    return dict(advantages=compute_advantages(replace(golden_input(g), gamma=0.9), 'reinforce'))
+
 
 @golden_case('adv/on_policy_distill_half')
-def _distill_half(g): return dict(advantages=compute_advantages(replace(golden_input(g), distill_coef=0.5), 'on_policy_distill'))
+def _distill_half(g):
+    return dict(advantages=compute_advantages(replace(golden_input(g), distill_coef=0.5), 'on_policy_distill'))
+
 
 @golden_case('adv/gae_returns')
-def _gae_returns(g): return dict(returns=gae_returns(golden_input(g)))
+def _gae_returns(g):
+    return dict(returns=gae_returns(golden_input(g)))
 
 # %% ../nbs/07_estimators.ipynb #73618393
-def _observed(segments:list) -> list:
+def _observed(segments: list) -> list:
     "The golden segment pieces with every action piece turned into observation tokens"
     return [[('o', n) for _, n, *_ in pieces] for pieces in segments]
 
-def _rollouts(spec:list) -> list:
+
+def _rollouts(spec: list) -> list:
     "`Trajectory`s from golden-style (group, reward, segments) tuples, numbered `{group}/r{i}`"
     out, seen = [], {}
     for i, (group, reward, segments) in enumerate(spec):
@@ -271,28 +340,41 @@ def _rollouts(spec:list) -> list:
         out.append(Trajectory(f"{group}/r{n}", group, int(group[1:]), segments=segs, reward=reward))
     return out
 
-def degenerate_rollouts(long_tokens:int=2048, # action tokens of the long rollout
-                       ) -> dict:
+
+def degenerate_rollouts(
+    long_tokens: int = 2048,  # action tokens of the long rollout
+) -> dict:
     "The golden rollouts made degenerate the ways real batches are: case name -> list of `Trajectory`"
     masked = list(_ROLLOUTS)
-    masked[0] = (*masked[0][:2], _observed(masked[0][2])) # a rollout with no action token
+    masked[0] = (*masked[0][:2], _observed(masked[0][2]))  # a rollout with no action token
     group, reward, (first, second) = masked[2]
-    masked[2] = (group, reward, [first, *_observed([second])]) # a compacted rollout whose second row has none
-    return {k: _rollouts(spec) for k, spec in dict(
-        equal_rewards=[(g, 1.0, s) for g, _, s in _ROLLOUTS],
-        one_sample_groups=[(f"g{i}", r, s) for i, (_, r, s) in enumerate(_ROLLOUTS)],
-        masked_rows=masked,
-        long=[*_ROLLOUTS, ('g1', 0.5, [[('o', 3), ('a', long_tokens, 5)]])]).items()}
+    masked[2] = (group, reward, [first, *_observed([second])])  # a compacted rollout whose second row has none
+    return {
+        k: _rollouts(spec)
+        for k, spec in dict(
+            equal_rewards=[(g, 1.0, s) for g, _, s in _ROLLOUTS],
+            one_sample_groups=[(f"g{i}", r, s) for i, (_, r, s) in enumerate(_ROLLOUTS)],
+            masked_rows=masked,
+            long=[*_ROLLOUTS, ('g1', 0.5, [[('o', 3), ('a', long_tokens, 5)]])],
+        ).items()
+    }
 
-def _golden_of(batch:Batch, seed:int=0) -> Golden:
+
+def _golden_of(batch: Batch, seed: int = 0) -> Golden:
     "A `Golden` of `batch`, its per-token fields in the ranges `golden()` uses (drawn by torch: only finiteness is checked on them)"
     gen, act = torch.Generator().manual_seed(seed), batch.action_mask
     u = lambda lo, hi: lo + (hi - lo) * torch.rand(act.shape, generator=gen)
-    logp = torch.where(act, batch.logprobs + u(-0.05, 0.05), 0.)
-    return Golden(batch, logp, logp_new=torch.where(act, logp + u(-0.4, 0.4), 0.),
-                  logp_ref=torch.where(act, batch.logprobs + u(-0.3, 0.1), 0.),
-                  logp_teacher=torch.where(act, batch.logprobs + u(-0.5, 0.5), 0.), values=u(0., 1.))
+    logp = torch.where(act, batch.logprobs + u(-0.05, 0.05), 0.0)
+    return Golden(
+        batch,
+        logp,
+        logp_new=torch.where(act, logp + u(-0.4, 0.4), 0.0),
+        logp_ref=torch.where(act, batch.logprobs + u(-0.3, 0.1), 0.0),
+        logp_teacher=torch.where(act, batch.logprobs + u(-0.5, 0.5), 0.0),
+        values=u(0.0, 1.0),
+    )
 
-def degenerate_goldens(long_tokens:int=2048) -> dict:
+
+def degenerate_goldens(long_tokens: int = 2048) -> dict:
     "Case name -> `Golden` of each of `degenerate_rollouts`: what swapped estimators and losses are checked on besides the golden batch"
     return {k: _golden_of(collate(trs)) for k, trs in degenerate_rollouts(long_tokens).items()}

@@ -16,7 +16,7 @@ from torch import Tensor
 from .core import Segment, Trajectory, Batch, collate, check_registration
 
 # %% ../nbs/06_golden.ipynb #2fc17c95
-GOLDEN_VERSION = 5 # the trainer's policy version when the golden batch is trained on
+GOLDEN_VERSION = 5  # the trainer's policy version when the golden batch is trained on
 
 # (group, reward, segments); a segment is a list of pieces: ('o', n) observation tokens or ('a', n, version) actions
 _ROLLOUTS = [
@@ -34,14 +34,16 @@ _ROLLOUTS = [
     ('g2', 0.0, [[('o', 4), ('a', 3, 5)]]),
 ]
 
-def _unit(*key:int) -> float:
+
+def _unit(*key: int) -> float:
     "A number in [0, 1) from integers, the same on every machine (Knuth's multiplicative hash)"
     h = 0
-    for k in key: h = (h * 1000003 + k * 2654435761 + 12345) % 4294967296
+    for k in key:
+        h = (h * 1000003 + k * 2654435761 + 12345) % 4294967296
     return h / 4294967296
 
 # %% ../nbs/06_golden.ipynb #911b19b3
-def _segment(pieces:list, key:int) -> Segment:
+def _segment(pieces: list, key: int) -> Segment:
     "One golden segment from its pieces; `key` seeds its numbers"
     ids, act, lp, ver = [], [], [], []
     for kind, n, *version in pieces:
@@ -53,8 +55,10 @@ def _segment(pieces:list, key:int) -> Segment:
             ver.append(version[0] if kind == 'a' else -1)
     first = torch.tensor([[int(4 * _unit(key, t, layer)) for layer in (3, 4)] for t in range(len(ids))])
     routes = torch.stack([first, (first + 1) % 4], -1)
-    if key % 3 == 0: routes[-1] = -1
+    if key % 3 == 0:
+        routes[-1] = -1
     return Segment(ids, act, lp, ver, routes=routes)
+
 
 def _trajectories() -> list:
     "The golden rollouts as `Trajectory`s, numbered `g{group}/r{i}`"
@@ -69,66 +73,91 @@ def _trajectories() -> list:
 @dataclass(eq=False)
 class Golden:
     "The golden batch and what a trainer computes on it; per-token fields are (B, T-1) on the next-token axis"
-    batch:Batch # 14 rows from 12 rollouts in 3 groups
-    logp:Tensor # (B, T-1) the trainer's logprobs of token t+1 (`old` logprobs at version `version`)
-    logp_new:Tensor # (B, T-1) logprobs of the policy being trained, a few optimizer steps after `logp`
-    logp_ref:Tensor # (B, T-1) a reference model's logprobs
-    logp_teacher:Tensor # (B, T-1) a teacher's logprobs (on-policy distillation)
-    values:Tensor # (B, T-1) a critic's value of the state before token t+1
-    version:int=GOLDEN_VERSION # the trainer's policy version
 
-def _field(shape, key:int, lo:float, hi:float) -> Tensor:
+    batch: Batch  # 14 rows from 12 rollouts in 3 groups
+    logp: Tensor  # (B, T-1) the trainer's logprobs of token t+1 (`old` logprobs at version `version`)
+    logp_new: Tensor  # (B, T-1) logprobs of the policy being trained, a few optimizer steps after `logp`
+    logp_ref: Tensor  # (B, T-1) a reference model's logprobs
+    logp_teacher: Tensor  # (B, T-1) a teacher's logprobs (on-policy distillation)
+    values: Tensor  # (B, T-1) a critic's value of the state before token t+1
+    version: int = GOLDEN_VERSION  # the trainer's policy version
+
+
+def _field(shape, key: int, lo: float, hi: float) -> Tensor:
     "A (B, T) tensor of hashed numbers in [lo, hi)"
     B, T = shape
     return torch.tensor([[lo + (hi - lo) * _unit(key, b, t) for t in range(T)] for b in range(B)])
+
 
 def golden() -> Golden:
     "The golden batch (built fresh, so callers may modify it)"
     batch = collate(_trajectories())
     shape, act = batch.logprobs.shape, batch.action_mask
-    logp = torch.where(act, batch.logprobs + _field(shape, 7, -0.05, 0.05), 0.)
+    logp = torch.where(act, batch.logprobs + _field(shape, 7, -0.05, 0.05), 0.0)
     logp[1, 2], logp[7, 3] = logp[1, 2] + 1.2, logp[7, 3] - 1.5  # outliers, both on action tokens
-    return Golden(batch, logp, logp_new=torch.where(act, logp + _field(shape, 11, -0.4, 0.4), 0.),
-                  logp_ref=torch.where(act, batch.logprobs + _field(shape, 8, -0.3, 0.1), 0.),
-                  logp_teacher=torch.where(act, batch.logprobs + _field(shape, 9, -0.5, 0.5), 0.),
-                  values=_field(shape, 10, 0., 1.))
+    return Golden(
+        batch,
+        logp,
+        logp_new=torch.where(act, logp + _field(shape, 11, -0.4, 0.4), 0.0),
+        logp_ref=torch.where(act, batch.logprobs + _field(shape, 8, -0.3, 0.1), 0.0),
+        logp_teacher=torch.where(act, batch.logprobs + _field(shape, 9, -0.5, 0.5), 0.0),
+        values=_field(shape, 10, 0.0, 1.0),
+    )
 
 # %% ../nbs/06_golden.ipynb #9838164e
 def _encode(v) -> dict:
     t = torch.as_tensor(v).detach().cpu()
-    values = t.flatten().tolist() if t.dtype == torch.bool else [float(f"{x:.7g}") for x in t.double().flatten().tolist()]
+    values = (
+        t.flatten().tolist() if t.dtype == torch.bool else [float(f"{x:.7g}") for x in t.double().flatten().tolist()]
+    )
     return dict(shape=list(t.shape), dtype=str(t.dtype).removeprefix('torch.'), values=values)
 
-def _decode(d:dict) -> Tensor:
-    if d['dtype'] == 'bool': return torch.tensor(d['values'], dtype=torch.bool).reshape(d['shape'])
+
+def _decode(d: dict) -> Tensor:
+    if d['dtype'] == 'bool':
+        return torch.tensor(d['values'], dtype=torch.bool).reshape(d['shape'])
     return torch.tensor(d['values'], dtype=torch.float64).reshape(d['shape']).to(getattr(torch, d['dtype']))
 
-def _where(shape:tuple, batch:Batch|None) -> tuple:
+
+def _where(shape: tuple, batch: Batch | None) -> tuple:
     "Column names and a function from a flat index to the row of the changes table"
     if batch is not None and len(shape) == 2 and shape[0] == len(batch):
-        return ['row', 'rollout', 'segment', 'position'], lambda i: (i // shape[1], batch.rollout_ids[i // shape[1]], int(batch.segment_index[i // shape[1]]), i % shape[1])
+        return ['row', 'rollout', 'segment', 'position'], lambda i: (
+            i // shape[1],
+            batch.rollout_ids[i // shape[1]],
+            int(batch.segment_index[i // shape[1]]),
+            i % shape[1],
+        )
     if batch is not None and len(shape) == 1 and shape[0] == len(batch):
         return ['row', 'rollout'], lambda i: (i, batch.rollout_ids[i])
-    return ['index'], lambda i: (tuple(int(j) for j in torch.unravel_index(torch.tensor(i), shape)) if len(shape) > 1 else i,)
+    return ['index'], lambda i: (
+        tuple(int(j) for j in torch.unravel_index(torch.tensor(i), shape)) if len(shape) > 1 else i,
+    )
 
 # %% ../nbs/06_golden.ipynb #490bc13c
-def _same(stored:Tensor, now:Tensor) -> Tensor:
+def _same(stored: Tensor, now: Tensor) -> Tensor:
     "Which values of `now` (flattened) match `stored`: 1e-5 relative, 1e-7 of the largest stored magnitude absolute"
     a, b = stored.flatten().double(), now.flatten().double()
-    scale = a[a.isfinite()].abs().max().item() if a.isfinite().any() else 0.
+    scale = a[a.isfinite()].abs().max().item() if a.isfinite().any() else 0.0
     return torch.isclose(a, b, rtol=1e-5, atol=1e-7 * scale, equal_nan=True)
 
-def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) -> str|None:
+
+def _compare(name: str, stored: Tensor, now: Tensor, batch: Batch | None, show: int) -> str | None:
     "A readable account of how `now` differs from `stored`, or None if it does not"
-    if tuple(stored.shape) != tuple(now.shape): return f"{name}: shape changed from {tuple(stored.shape)} to {tuple(now.shape)}"
-    if stored.dtype != now.dtype: return f"{name}: dtype changed from {str(stored.dtype).removeprefix('torch.')} to {str(now.dtype).removeprefix('torch.')}"
+    if tuple(stored.shape) != tuple(now.shape):
+        return f"{name}: shape changed from {tuple(stored.shape)} to {tuple(now.shape)}"
+    if stored.dtype != now.dtype:
+        return f"{name}: dtype changed from {str(stored.dtype).removeprefix('torch.')} to {str(now.dtype).removeprefix('torch.')}"
     same = _same(stored, now)
-    if same.all(): return None
+    if same.all():
+        return None
     a, b = stored.flatten().double(), now.flatten().double()
     idx = (~same).nonzero()[:, 0]
     cols, where = _where(tuple(now.shape), batch)
     rows = [(*where(i), a[i].item(), b[i].item()) for i in idx[:show].tolist()]
-    table = pd.DataFrame(rows, columns=cols + ['stored', 'now']).to_string(index=False, float_format=lambda x: f"{x:.4f}")
+    table = pd.DataFrame(rows, columns=cols + ['stored', 'now']).to_string(
+        index=False, float_format=lambda x: f"{x:.4f}"
+    )
     more = f"\n  ... and {len(idx) - show} more" if len(idx) > show else ''
     head = f"{name}: {len(idx)} of {len(a)} values changed (largest change {(a[idx] - b[idx]).abs().max().item():.4g})"
     return head + '\n' + '\n'.join('  ' + l for l in table.splitlines()) + more
@@ -136,125 +165,172 @@ def _compare(name:str, stored:Tensor, now:Tensor, batch:Batch|None, show:int) ->
 # %% ../nbs/06_golden.ipynb #ff0e9f13
 class GoldenDiff:
     "How outputs differ from the stored golden outputs; falsy when nothing changed"
-    def __init__(self, name:str, changes:dict): self.name, self.changes = name, changes
-    def __bool__(self) -> bool: return any(v is not None for v in self.changes.values())
+
+    def __init__(self, name: str, changes: dict):
+        self.name, self.changes = name, changes
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in self.changes.values())
+
     def __repr__(self) -> str:
-        if not self: return f"{self.name}: unchanged ({', '.join(self.changes)})"
+        if not self:
+            return f"{self.name}: unchanged ({', '.join(self.changes)})"
         return f"{self.name}:\n" + '\n'.join(v for v in self.changes.values() if v is not None)
+
 
 def golden_dir() -> Path:
     "Where stored golden outputs live: inside the package, so a run on a cluster reads the same ones"
     import molt_nb
-    return Path(molt_nb.__file__).parent/'golden_ref'
 
-def _file(name:str) -> Path: return golden_dir()/f"{name.replace('/', '__')}.json"
+    return Path(molt_nb.__file__).parent / 'golden_ref'
+
+
+def _file(name: str) -> Path:
+    return golden_dir() / f"{name.replace('/', '__')}.json"
 
 # %% ../nbs/06_golden.ipynb #26cd8b1c
-def golden_diff(name:str, # the outputs' name, e.g. 'grpo' or 'ppo'
-                outputs:dict, # output name -> tensor or number; a lone tensor counts as {'out': tensor}
-                stored:dict|None=None, # compare with these outputs instead of the stored ones
-                batch:Batch|None=None, # labels rows with rollout ids; defaults to the golden batch
-                show:int=8, # most changed values listed per output
-               ) -> GoldenDiff:
+def golden_diff(
+    name: str,  # the outputs' name, e.g. 'grpo' or 'ppo'
+    outputs: dict,  # output name -> tensor or number; a lone tensor counts as {'out': tensor}
+    stored: dict | None = None,  # compare with these outputs instead of the stored ones
+    batch: Batch | None = None,  # labels rows with rollout ids; defaults to the golden batch
+    show: int = 8,  # most changed values listed per output
+) -> GoldenDiff:
     "Compare `outputs` with the stored golden outputs of `name`"
     outputs = outputs if isinstance(outputs, dict) else {'out': outputs}
     if stored is None:
-        if not _file(name).exists(): raise FileNotFoundError(f"no stored golden outputs for {name!r} in {golden_dir()}: register a case with @golden_case({name!r}), run update_golden([{name!r}]) (or `make golden`) and commit the file")
+        if not _file(name).exists():
+            raise FileNotFoundError(
+                f"no stored golden outputs for {name!r} in {golden_dir()}: register a case with @golden_case({name!r}), run update_golden([{name!r}]) (or `make golden`) and commit the file"
+            )
         stored = {k: _decode(v) for k, v in json.loads(_file(name).read_text()).items()}
-    stored = {k: torch.as_tensor(v).detach().cpu() for k, v in (stored if isinstance(stored, dict) else {'out': stored}).items()}
+    stored = {
+        k: torch.as_tensor(v).detach().cpu()
+        for k, v in (stored if isinstance(stored, dict) else {'out': stored}).items()
+    }
     batch = golden().batch if batch is None else batch
     changes = {k: f"{k}: no longer produced" for k in stored if k not in outputs}
     for k, v in outputs.items():
-        changes[k] = _compare(k, stored[k], torch.as_tensor(v).detach().cpu(), batch, show) if k in stored else f"{k}: new output, not in the stored reference"
+        changes[k] = (
+            _compare(k, stored[k], torch.as_tensor(v).detach().cpu(), batch, show)
+            if k in stored
+            else f"{k}: new output, not in the stored reference"
+        )
     return GoldenDiff(name, changes)
 
 # %% ../nbs/06_golden.ipynb #6bd7f3df
-GOLDEN_CASES = {} # name -> function(Golden) -> dict of outputs
-GOLDEN_MODULES = ('molt_nb.estimators', 'molt_nb.losses') # modules whose import registers the built-in cases
+GOLDEN_CASES = {}  # name -> function(Golden) -> dict of outputs
+GOLDEN_MODULES = ('molt_nb.estimators', 'molt_nb.losses')  # modules whose import registers the built-in cases
 
-def golden_case(name:str, # the case's name, e.g. 'adv/grpo'
-                replace:bool=False, # replace a different function registered as `name`
-               ):
+
+def golden_case(
+    name: str,  # the case's name, e.g. 'adv/grpo'
+    replace: bool = False,  # replace a different function registered as `name`
+):
     "Register `fn(golden) -> outputs` as the golden case `name`"
+
     def register(fn):
         check_registration('golden case', name, GOLDEN_CASES.get(name), fn, replace)
         GOLDEN_CASES[name] = fn
         return fn
+
     return register
 
-def _case(name:str):
-    if name not in GOLDEN_CASES: raise KeyError(f"no golden case {name!r}; known: {sorted(GOLDEN_CASES)}. Register one with @golden_case({name!r})")
+
+def _case(name: str):
+    if name not in GOLDEN_CASES:
+        raise KeyError(
+            f"no golden case {name!r}; known: {sorted(GOLDEN_CASES)}. Register one with @golden_case({name!r})"
+        )
     return GOLDEN_CASES[name]
 
-def check_golden(name:str, show:int=8) -> GoldenDiff:
+
+def check_golden(name: str, show: int = 8) -> GoldenDiff:
     "Run the golden case `name` as registered now and diff it with its stored outputs"
     return golden_diff(name, _case(name)(golden()), show=show)
 
 # %% ../nbs/06_golden.ipynb #e5a0e067
-def _keep_close(stored:dict|None, now) -> dict:
+def _keep_close(stored: dict | None, now) -> dict:
     "`now` encoded, keeping each stored value that it matches within tolerance, so float noise changes no byte"
     new, now = _encode(now), torch.as_tensor(now).detach().cpu()
-    if stored is None or (stored['shape'], stored['dtype']) != (new['shape'], new['dtype']): return new
+    if stored is None or (stored['shape'], stored['dtype']) != (new['shape'], new['dtype']):
+        return new
     same = _same(_decode(stored), now).tolist()
     kept = dict(new, values=[s if k else v for s, v, k in zip(stored['values'], new['values'], same)])
     return kept if _same(_decode(kept), now).all() else new  # kept values also set the tolerance's scale
 
-def record_golden(name:str, outputs:dict):
+
+def record_golden(name: str, outputs: dict):
     "Store `outputs` as the golden outputs of `name`, keeping stored values within tolerance; atomic (write, rename)"
     outputs = outputs if isinstance(outputs, dict) else {'out': outputs}
     stored = json.loads(_file(name).read_text()) if _file(name).exists() else {}
     new = {k: _keep_close(stored.get(k), v) for k, v in outputs.items()}
-    if new == stored: return
+    if new == stored:
+        return
     golden_dir().mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=golden_dir(), suffix='.tmp')
-    with os.fdopen(fd, 'w') as f: json.dump(new, f, indent=0)
+    with os.fdopen(fd, 'w') as f:
+        json.dump(new, f, indent=0)
     os.replace(tmp, _file(name))
 
 # %% ../nbs/06_golden.ipynb #02655941
 def _builtin_cases() -> list:
     "Every registered case, sorted, after importing the modules that register the built-in ones"
     for m in GOLDEN_MODULES:
-        if importlib.util.find_spec(m): importlib.import_module(m)
+        if importlib.util.find_spec(m):
+            importlib.import_module(m)
     return sorted(GOLDEN_CASES)
 
-def _unstored(name:str) -> GoldenDiff:
+
+def _unstored(name: str) -> GoldenDiff:
     return GoldenDiff(name, {'stored': f"no stored outputs: `make golden` records them; commit {_file(name).name}"})
 
-def check_all_golden(show:int=8) -> dict:
+
+def check_all_golden(show: int = 8) -> dict:
     "Diff every golden case (built-in ones included) with its stored outputs: name -> `GoldenDiff`"
     return {n: check_golden(n, show) if _file(n).exists() else _unstored(n) for n in _builtin_cases()}
 
-def update_golden(names:list|None=None, # the cases to update; all registered and built-in ones by default
-                  accept:list=(), # changed cases whose new outputs are stored; 'all' accepts every one
-                  show:int=8, # most changed values listed per output
-                 ) -> dict:
+
+def update_golden(
+    names: list | None = None,  # the cases to update; all registered and built-in ones by default
+    accept: list = (),  # changed cases whose new outputs are stored; 'all' accepts every one
+    show: int = 8,  # most changed values listed per output
+) -> dict:
     "Record new cases and the accepted changed ones: name -> its `GoldenDiff` before the update, None if new"
     known = _builtin_cases()
     unknown = sorted(set(accept) - {'all'} - set(known))
-    if unknown: raise KeyError(f"no golden case {unknown} to accept; known: {known}")
+    if unknown:
+        raise KeyError(f"no golden case {unknown} to accept; known: {known}")
     diffs = {}
     for n in known if names is None else names:
         outputs = _case(n)(golden())
         diffs[n] = golden_diff(n, outputs, show=show) if _file(n).exists() else None
-        if diffs[n] is None or (diffs[n] and ('all' in accept or n in accept)): record_golden(n, outputs)
+        if diffs[n] is None or (diffs[n] and ('all' in accept or n in accept)):
+            record_golden(n, outputs)
     return diffs
 
 # %% ../nbs/06_golden.ipynb #811a57da
-def golden_main(update:bool=False, # record new and accepted cases (`make golden`); False only checks
-                accept:str='', # changed cases to overwrite, comma-separated, or 'all' (`make golden ACCEPT=...`)
-               ) -> int:
+def golden_main(
+    update: bool = False,  # record new and accepted cases (`make golden`); False only checks
+    accept: str = '',  # changed cases to overwrite, comma-separated, or 'all' (`make golden ACCEPT=...`)
+) -> int:
     "Print each changed golden case's diff and what was done; the exit status: 1 if a case is left changed"
     accept = [a.strip() for a in accept.split(',') if a.strip()]
     diffs = update_golden(accept=accept) if update else check_all_golden()
     new, changed = [n for n, d in diffs.items() if d is None], [n for n, d in diffs.items() if d]
     left = [n for n in changed if not (update and ('all' in accept or n in accept))]
-    for n in changed: print(repr(diffs[n]), end='\n\n')
-    if new: print(f"recorded {len(new)} new case(s): {', '.join(new)}; commit {', '.join(_file(n).name for n in new)}")
+    for n in changed:
+        print(repr(diffs[n]), end='\n\n')
+    if new:
+        print(f"recorded {len(new)} new case(s): {', '.join(new)}; commit {', '.join(_file(n).name for n in new)}")
     if len(left) < len(changed):
         print(f"stored the changed values of {', '.join(n for n in changed if n not in left)}; commit the JSON")
     if left:
-        print(f"{len(left)} of {len(diffs)} golden cases changed{' and were NOT written' if update else ''}: "
-              f"{', '.join(left)}. Fix the code, or if the change is intended, store it with "
-              f"`make golden ACCEPT={','.join(left)}` (or ACCEPT=all) and commit the JSON")
-    elif not new and not changed: print(f"all {len(diffs)} golden cases match their stored outputs")
+        print(
+            f"{len(left)} of {len(diffs)} golden cases changed{' and were NOT written' if update else ''}: "
+            f"{', '.join(left)}. Fix the code, or if the change is intended, store it with "
+            f"`make golden ACCEPT={','.join(left)}` (or ACCEPT=all) and commit the JSON"
+        )
+    elif not new and not changed:
+        print(f"all {len(diffs)} golden cases match their stored outputs")
     return int(bool(left))

@@ -25,31 +25,52 @@ from .pool import Failures, Pool, RunStopped, _reason, _traceback, _within
 from .config import RunConfig, build_policy, load_config
 
 # %% ../nbs/13_loop.ipynb #b2b0b4c4
-def _write_parquet(df:pd.DataFrame, path:Path):
+def _write_parquet(df: pd.DataFrame, path: Path):
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     df.to_parquet(tmp, index=False)
     os.replace(tmp, path)
 
+
 class RunStore:
     "A run's directory: config, metrics, samples and checkpoints"
+
     def __init__(self, root):
         self.root = Path(root)
-        (self.root/'samples').mkdir(parents=True, exist_ok=True)
-        self.rows, self.pending = (self.metrics().to_dict('records') if (self.root/'metrics.parquet').exists() else []), []
-        self._frame = None # the metrics written so far as a frame: a flush adds only the rows logged since (rows never change once logged)
+        (self.root / 'samples').mkdir(parents=True, exist_ok=True)
+        self.rows, self.pending = (
+            (self.metrics().to_dict('records') if (self.root / 'metrics.parquet').exists() else []),
+            [],
+        )
+        self._frame = None  # the metrics written so far as a frame: a flush adds only the rows logged since (rows never change once logged)
 
     @property
-    def checkpoints(self) -> Path: return self.root/'checkpoints'
-    def write_config(self, cfg:RunConfig): _write_atomic(self.root/'config.json', json.dumps(asdict(cfg), indent=1, default=str))
-    def config(self) -> dict: return json.loads((self.root/'config.json').read_text())
-    def log(self, row:dict): self.rows.append(row)
-    def metrics(self) -> pd.DataFrame: return pd.read_parquet(self.root/'metrics.parquet')
-    def add_samples(self, df:pd.DataFrame): self.pending.append(df)
-    def amend(self, row:dict): self.rows[-1], self._frame = row, None # the last row, completed after it was logged
-    def write_failures(self, table:dict): _write_atomic(self.root/'failures.json', json.dumps(table, indent=1))
+    def checkpoints(self) -> Path:
+        return self.root / 'checkpoints'
+
+    def write_config(self, cfg: RunConfig):
+        _write_atomic(self.root / 'config.json', json.dumps(asdict(cfg), indent=1, default=str))
+
+    def config(self) -> dict:
+        return json.loads((self.root / 'config.json').read_text())
+
+    def log(self, row: dict):
+        self.rows.append(row)
+
+    def metrics(self) -> pd.DataFrame:
+        return pd.read_parquet(self.root / 'metrics.parquet')
+
+    def add_samples(self, df: pd.DataFrame):
+        self.pending.append(df)
+
+    def amend(self, row: dict):
+        self.rows[-1], self._frame = row, None  # the last row, completed after it was logged
+
+    def write_failures(self, table: dict):
+        _write_atomic(self.root / 'failures.json', json.dumps(table, indent=1))
+
     def failures(self) -> dict:
         "Failed rollouts by where and kind ('train error:ValueError', 'eval timeout'): their count and the first one's traceback"
-        return json.loads((self.root/'failures.json').read_text()) if (self.root/'failures.json').exists() else {}
+        return json.loads((self.root / 'failures.json').read_text()) if (self.root / 'failures.json').exists() else {}
 
     def flush(self):
         "Write the metrics, and the samples gathered since the last flush as one file named by their last step"
@@ -57,46 +78,60 @@ class RunStore:
         if self._frame is None or done < len(self.rows):
             new = pd.DataFrame(self.rows[done:])
             self._frame = new if not done else pd.concat([self._frame, new], ignore_index=True)
-        _write_parquet(self._frame, self.root/'metrics.parquet')
+        _write_parquet(self._frame, self.root / 'metrics.parquet')
         if self.pending:
             df, self.pending = pd.concat(self.pending, ignore_index=True), []
-            _write_parquet(df, self.root/'samples'/f"until_{int(df.step.max()):08d}.parquet")
+            _write_parquet(df, self.root / 'samples' / f"until_{int(df.step.max()):08d}.parquet")
 
-    def samples(self, step:int|None=None) -> pd.DataFrame:
+    def samples(self, step: int | None = None) -> pd.DataFrame:
         "The rollouts trained at `step` (default: every step); a step's are read from the one file that holds them"
-        files = sorted((self.root/'samples').glob('until_*.parquet'))
-        if step is not None: files = [f for f in files if int(f.stem.removeprefix('until_')) >= step][:1]
-        df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else pd.DataFrame(columns=['step'])
+        files = sorted((self.root / 'samples').glob('until_*.parquet'))
+        if step is not None:
+            files = [f for f in files if int(f.stem.removeprefix('until_')) >= step][:1]
+        df = (
+            pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+            if files
+            else pd.DataFrame(columns=['step'])
+        )
         return df if step is None else df[df.step == step].reset_index(drop=True)
 
     def reset(self):
         "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
         self.rows, self.pending, self._frame = [], [], None
-        for f in [self.root/'metrics.parquet', self.root/'failures.json', *(self.root/'samples').glob('until_*.parquet')]: f.unlink(missing_ok=True)
+        for f in [
+            self.root / 'metrics.parquet',
+            self.root / 'failures.json',
+            *(self.root / 'samples').glob('until_*.parquet'),
+        ]:
+            f.unlink(missing_ok=True)
         shutil.rmtree(self.checkpoints, ignore_errors=True)
 
-    def truncate(self, step:int):
+    def truncate(self, step: int):
         "Forget what was logged after `step` (a resumed run rewrites it)"
         self.rows, self._frame = [r for r in self.rows if r['step'] <= step], None
-        for f in (self.root/'samples').glob('until_*.parquet'):
+        for f in (self.root / 'samples').glob('until_*.parquet'):
             if int(f.stem.split('_')[1]) > step:
                 df = pd.read_parquet(f)
-                if (df.step <= step).any(): _write_parquet(df[df.step <= step], f.with_name(f"until_{step:08d}.parquet"))
+                if (df.step <= step).any():
+                    _write_parquet(df[df.step <= step], f.with_name(f"until_{step:08d}.parquet"))
                 f.unlink()
 
 # %% ../nbs/13_loop.ipynb #e4797974
-def token_columns(batch, res, live:list) -> dict:
+def token_columns(batch, res, live: list) -> dict:
     "rollout id -> per action token lists (logp_train, log_ratio, keep, adv) and whether any of its rows trained"
     m, counts = batch.action_mask, batch.action_mask.sum(1).tolist()
     fields = dict(logp_train=res.logprobs, log_ratio=res.is_weights.log(), keep=res.is_keep, adv=res.advantages)
     split = {k: torch.split(v[m], counts) for k, v in fields.items()}
-    trained = torch.zeros(len(batch), dtype=torch.bool); trained[live] = True
+    trained = torch.zeros(len(batch), dtype=torch.bool)
+    trained[live] = True
     out = {}
     for row, rid in enumerate(batch.rollout_ids):
         d = out.setdefault(rid, dict(logp_train=[], log_ratio=[], keep=[], adv=[], trained=False))
-        for k in fields: d[k] += split[k][row].tolist()
+        for k in fields:
+            d[k] += split[k][row].tolist()
         d['trained'] = d['trained'] or bool(trained[row])
     return out
+
 
 def _byte_level() -> dict:
     "The byte-level BPE alphabet (GPT-2's, used by Qwen and this package's tokenizer): character -> the byte it stands for"
@@ -104,90 +139,144 @@ def _byte_level() -> dict:
     hidden = [b for b in range(256) if b not in shown]
     return {chr(b): b for b in shown} | {chr(256 + i): b for i, b in enumerate(hidden)}
 
+
 BYTE_OF = _byte_level()
 
-def token_pieces(tokenizer, ids:list) -> list:
+
+def token_pieces(tokenizer, ids: list) -> list:
     "Each token's text on its own; a token that is not whole UTF-8 alone (part of a character) as its bytes, `\\xNN`"
     pieces = tokenizer.batch_decode([[i] for i in ids])
     for k in [k for k, p in enumerate(pieces) if '\ufffd' in p]:
         raw = tokenizer.convert_ids_to_tokens(ids[k])
-        if raw and all(c in BYTE_OF for c in raw): pieces[k] = bytes(BYTE_OF[c] for c in raw).decode('utf-8', 'backslashreplace')
+        if raw and all(c in BYTE_OF for c in raw):
+            pieces[k] = bytes(BYTE_OF[c] for c in raw).decode('utf-8', 'backslashreplace')
     return pieces
 
 # %% ../nbs/13_loop.ipynb #03f94130
 class Trainer:
     "The policy actor's side of a run (a Ray actor on a cluster)"
-    def __init__(self, cfg:RunConfig):
+
+    def __init__(self, cfg: RunConfig):
         torch.set_num_threads(cfg.train.threads)
-        torch.manual_seed(cfg.loop.seed); random.seed(cfg.loop.seed)
+        torch.manual_seed(cfg.loop.seed)
+        random.seed(cfg.loop.seed)
         model, _ = build_policy(cfg)
         self.actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows, routing=cfg.routing)
-        self.busy_s = 0.
+        self.busy_s = 0.0
 
     def train_step(self, batch) -> dict:
         start = time.perf_counter()
         res = self.actor.train_step(batch)
         tokens = token_columns(batch, res, self.actor._live_rows(batch, res.advantages))
         self.busy_s += time.perf_counter() - start
-        return dict(metrics=res.metrics, version=self.actor.version, seconds=time.perf_counter() - start, weights=self.actor.weights(),
-                    train_routes=res.routes, tokens=tokens)
+        return dict(
+            metrics=res.metrics,
+            version=self.actor.version,
+            seconds=time.perf_counter() - start,
+            weights=self.actor.weights(),
+            train_routes=res.routes,
+            tokens=tokens,
+        )
 
-    def weights(self) -> list: return self.actor.weights()
-    def save(self, root:str, extra:dict) -> str: return str(self.actor.save(root, extra))
-    def load(self, root:str) -> dict: return self.actor.load(root) | dict(version=self.actor.version, step=self.actor.step)
-    def state(self) -> dict: return dict(step=self.actor.step, version=self.actor.version, busy_s=self.busy_s)
-    def optimizer_state(self) -> dict: return self.actor.opt.state_dict()
+    def weights(self) -> list:
+        return self.actor.weights()
+
+    def save(self, root: str, extra: dict) -> str:
+        return str(self.actor.save(root, extra))
+
+    def load(self, root: str) -> dict:
+        return self.actor.load(root) | dict(version=self.actor.version, step=self.actor.step)
+
+    def state(self) -> dict:
+        return dict(step=self.actor.step, version=self.actor.version, busy_s=self.busy_s)
+
+    def optimizer_state(self) -> dict:
+        return self.actor.opt.state_dict()
 
 # %% ../nbs/13_loop.ipynb #fc537231
-def _first_diff(a:torch.Tensor, b:torch.Tensor) -> int|None:
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
     "The first index of dim 0 where `a` and `b` differ (where the shorter one ends, if it is a prefix); None if equal"
     n = min(len(a), len(b))
     d = (a[:n] != b[:n].to(a.dtype)).reshape(n, -1).any(1).nonzero()
     return int(d[0]) if len(d) else None if len(a) == len(b) else n
 
-def _value(t:torch.Tensor, i:int) -> str: return 'nothing' if i >= len(t) else str(t[i].tolist())
 
-def check_token_identity(trajectories:list, # the rollouts of a batch, in collate order (failed ones are skipped, as collate skips them)
-                         generations:dict, # rollout id -> the engine's Generations for it, in order
-                         batch, # collate(trajectories)
-                        ) -> int:
+def _value(t: torch.Tensor, i: int) -> str:
+    return 'nothing' if i >= len(t) else str(t[i].tolist())
+
+
+def check_token_identity(
+    trajectories: list,  # the rollouts of a batch, in collate order (failed ones are skipped, as collate skips them)
+    generations: dict,  # rollout id -> the engine's Generations for it, in order
+    batch,  # collate(trajectories)
+) -> int:
     """Raise if a trained token's id, behaviour logprob, version or MoE route differs from what the engine returned, or
     a batch row from its segment, naming the rollout, the batch row, the token position and the field; the number checked"""
     trajectories = [t for t in trajectories if t.error is None]
     n_segs = sum(len(t.segments) for t in trajectories)
     if len(batch) != n_segs:
-        raise AssertionError(f"the batch has {len(batch)} rows for the {n_segs} segments of its rollouts: a segment was dropped or added after collate")
+        raise AssertionError(
+            f"the batch has {len(batch)} rows for the {n_segs} segments of its rollouts: a segment was dropped or added after collate"
+        )
     row, checked = 0, 0
     for tr in trajectories:
         gens = generations.get(tr.rollout_id)
-        if gens is None: raise AssertionError(f"rollout {tr.rollout_id!r}: no engine generations were recorded for it")
-        def fail(k:int, field:str, trained:torch.Tensor, sampled:torch.Tensor, row=row, tr=tr):
+        if gens is None:
+            raise AssertionError(f"rollout {tr.rollout_id!r}: no engine generations were recorded for it")
+
+        def fail(k: int, field: str, trained: torch.Tensor, sampled: torch.Tensor, row=row, tr=tr):
             # each trained (action) token's place: its batch row and its position in that row
             where = [(row + j, int(p)) for j, s in enumerate(tr.segments) for p in s.action_mask.nonzero()[:, 0]]
-            at = f"batch row {where[k][0]}, position {where[k][1]}" if k < len(where) else f"after its last trained token (batch row {where[-1][0] if where else row})"
-            raise AssertionError(f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {field} is {_value(trained, k)}, the engine sampled {_value(sampled, k)} "
-                                 f"({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped or added tokens it was given")
+            at = (
+                f"batch row {where[k][0]}, position {where[k][1]}"
+                if k < len(where)
+                else f"after its last trained token (batch row {where[-1][0] if where else row})"
+            )
+            raise AssertionError(
+                f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {field} is {_value(trained, k)}, the engine sampled {_value(sampled, k)} "
+                f"({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped or added tokens it was given"
+            )
+
         for k, field in (('token_ids', 'token id'), ('logprobs', 'logprob'), ('versions', 'version')):
             sampled = torch.cat([getattr(g, k) for g in gens]) if gens else torch.zeros(0)
             trained = torch.cat([getattr(s, k)[s.action_mask] for s in tr.segments])
-            if (i := _first_diff(trained, sampled)) is not None: fail(i, field, trained, sampled)
+            if (i := _first_diff(trained, sampled)) is not None:
+                fail(i, field, trained, sampled)
         if gens and gens[0].routes is not None:
-            if any(s.routes is None for s in tr.segments): raise AssertionError(f"rollout {tr.rollout_id!r}: the engine returned MoE routes and a segment has none")
-            sampled, trained = torch.cat([g.routes[g.prompt_len:] for g in gens]), torch.cat([s.routes[s.action_mask] for s in tr.segments])
-            if (i := _first_diff(trained, sampled)) is not None: fail(i, 'route (experts per layer)', trained, sampled)
+            if any(s.routes is None for s in tr.segments):
+                raise AssertionError(
+                    f"rollout {tr.rollout_id!r}: the engine returned MoE routes and a segment has none"
+                )
+            sampled, trained = (
+                torch.cat([g.routes[g.prompt_len :] for g in gens]),
+                torch.cat([s.routes[s.action_mask] for s in tr.segments]),
+            )
+            if (i := _first_diff(trained, sampled)) is not None:
+                fail(i, 'route (experts per layer)', trained, sampled)
         for j, s in enumerate(tr.segments):
             n, T = len(s), batch.input_ids.shape[1]
             if batch.rollout_ids[row] != tr.rollout_id or int(batch.segment_index[row]) != j:
-                raise AssertionError(f"rollout {tr.rollout_id!r} segment {j}: batch row {row} holds rollout {batch.rollout_ids[row]!r} segment {int(batch.segment_index[row])} (rows out of order)")
+                raise AssertionError(
+                    f"rollout {tr.rollout_id!r} segment {j}: batch row {row} holds rollout {batch.rollout_ids[row]!r} segment {int(batch.segment_index[row])} (rows out of order)"
+                )
             pad = lambda v, size: torch.cat([v, v.new_zeros(size - len(v), *v.shape[1:])])
             # (field, offset of its position from the token's, the row, the segment's values padded as collate pads)
-            fields = [('token id', 0, batch.input_ids[row], pad(s.token_ids, T)), ('attention mask', 0, batch.attention_mask[row], pad(torch.ones(n, dtype=torch.bool), T)),
-                      *[(f, 1, getattr(batch, k)[row], pad(getattr(s, k)[1:], T - 1)) for f, k in (('action mask', 'action_mask'), ('logprob', 'logprobs'), ('version', 'versions'))]]
-            if s.routes is not None: fields.append(('route', 0, batch.routes[row, :n], s.routes))
+            fields = [
+                ('token id', 0, batch.input_ids[row], pad(s.token_ids, T)),
+                ('attention mask', 0, batch.attention_mask[row], pad(torch.ones(n, dtype=torch.bool), T)),
+                *[
+                    (f, 1, getattr(batch, k)[row], pad(getattr(s, k)[1:], T - 1))
+                    for f, k in (('action mask', 'action_mask'), ('logprob', 'logprobs'), ('version', 'versions'))
+                ],
+            ]
+            if s.routes is not None:
+                fields.append(('route', 0, batch.routes[row, :n], s.routes))
             for field, shift, got, want in fields:
                 if (p := _first_diff(got, want)) is not None:
-                    raise AssertionError(f"rollout {tr.rollout_id!r} segment {j}: batch row {row}, position {p + shift}: {field} is {_value(got, p)}, "
-                                         f"the segment's is {_value(want, p)} (the row was shifted or changed after collate)")
+                    raise AssertionError(
+                        f"rollout {tr.rollout_id!r} segment {j}: batch row {row}, position {p + shift}: {field} is {_value(got, p)}, "
+                        f"the segment's is {_value(want, p)} (the row was shifted or changed after collate)"
+                    )
             row, checked = row + 1, checked + int(s.action_mask.sum())
     return checked
 
@@ -195,50 +284,93 @@ def check_token_identity(trajectories:list, # the rollouts of a batch, in collat
 @dataclass
 class RecipeParts:
     "What a run takes from its recipe's agent module"
-    runner:Any # the module's AgentRunner(tokenizer, **agent_options)
-    train_tasks:list # tasks('train') in the run's data order
-    eval_tasks:list # the first loop.eval_tasks of tasks('eval')
-    sampling:SamplingParams # the rollout's sampling, stopping at the end token
+
+    runner: Any  # the module's AgentRunner(tokenizer, **agent_options)
+    train_tasks: list  # tasks('train') in the run's data order
+    eval_tasks: list  # the first loop.eval_tasks of tasks('eval')
+    sampling: SamplingParams  # the rollout's sampling, stopping at the end token
+
 
 class RecipeError(ValueError):
     "A recipe's agent module breaks the contract of recipes/README.md"
 
-def _task_list(tasks, split:str, where:str) -> list:
+
+def _task_list(tasks, split: str, where: str) -> list:
     "`tasks(split)`, checked: a non-empty list of dicts"
-    try: out = tasks(split)
-    except Exception as e: raise RecipeError(f"tasks({split!r}) in {where} raised {type(e).__name__}: {e}; it must return the {split!r} tasks, a list of dicts") from e
+    try:
+        out = tasks(split)
+    except Exception as e:
+        raise RecipeError(
+            f"tasks({split!r}) in {where} raised {type(e).__name__}: {e}; it must return the {split!r} tasks, a list of dicts"
+        ) from e
     if not isinstance(out, (list, tuple)) or not out or not all(isinstance(t, dict) for t in out):
-        raise RecipeError(f"tasks({split!r}) in {where} returned {_shown(out)}, expected a non-empty list of dicts (each is what Env.reset gets)")
+        raise RecipeError(
+            f"tasks({split!r}) in {where} returned {_shown(out)}, expected a non-empty list of dicts (each is what Env.reset gets)"
+        )
     return list(out)
 
-def recipe_parts(cfg:RunConfig, tokenizer) -> RecipeParts:
+
+def recipe_parts(cfg: RunConfig, tokenizer) -> RecipeParts:
     "The runner, tasks and sampling of `cfg`'s recipe (the module is imported once)"
     module, where = _module(cfg.agent_path), repr(str(cfg.agent_path))
     runner = load_agent(module, tokenizer, **cfg.agent_options)
     tasks = getattr(module, 'tasks', None)
-    if not callable(tasks): raise RecipeError(f"agent module {where} does not export tasks(split): add a function returning the 'train' and 'eval' task lists (see recipes/README.md)")
+    if not callable(tasks):
+        raise RecipeError(
+            f"agent module {where} does not export tasks(split): add a function returning the 'train' and 'eval' task lists (see recipes/README.md)"
+        )
     train = _task_list(tasks, 'train', where)
-    random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(train) # a stream of its own (recipes may draw from Random(seed))
+    random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(
+        train
+    )  # a stream of its own (recipes may draw from Random(seed))
     r = cfg.rollout
-    return RecipeParts(runner, train, _task_list(tasks, 'eval', where)[:cfg.loop.eval_tasks],
-                       SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tokenizer.eos_token_id]))
+    return RecipeParts(
+        runner,
+        train,
+        _task_list(tasks, 'eval', where)[: cfg.loop.eval_tasks],
+        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tokenizer.eos_token_id]),
+    )
+
 
 class Orchestrator:
     "Runs the RL loop of a `RunConfig` against a trainer"
-    def __init__(self, cfg:RunConfig, trainer, # a `Trainer`, or a Ray actor handle of one
-                 resume:bool=False): # continue from the latest checkpoint in the run store
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        trainer,  # a `Trainer`, or a Ray actor handle of one
+        resume: bool = False,
+    ):  # continue from the latest checkpoint in the run store
         self.cfg, self.trainer, self.resume = cfg, trainer, resume
         torch.manual_seed(cfg.loop.seed)
         model, self.tokenizer = build_policy(cfg)
         r = cfg.rollout
-        self.engine = TorchEngine(model, dtype=getattr(torch, r.dtype), seed=cfg.loop.seed, threads=r.threads, max_batch=r.max_batch)
+        self.engine = TorchEngine(
+            model, dtype=getattr(torch, r.dtype), seed=cfg.loop.seed, threads=r.threads, max_batch=r.max_batch
+        )
         parts = recipe_parts(cfg, self.tokenizer)
-        self.runner, self.train_tasks, self.eval_tasks, self.sampling = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling
+        self.runner, self.train_tasks, self.eval_tasks, self.sampling = (
+            parts.runner,
+            parts.train_tasks,
+            parts.eval_tasks,
+            parts.sampling,
+        )
         self.store = RunStore(cfg.run_dir)
-        self.sync, self.step, self.latest, self.record = WeightSync([self.engine], version=-1), 0, {}, {} if cfg.loop.debug else None
-        self.last_eval, self.pool, self.started, self.timed_out, self.eval_failures = None, None, None, False, Failures()
+        self.sync, self.step, self.latest, self.record = (
+            WeightSync([self.engine], version=-1),
+            0,
+            {},
+            {} if cfg.loop.debug else None,
+        )
+        self.last_eval, self.pool, self.started, self.timed_out, self.eval_failures = (
+            None,
+            None,
+            None,
+            False,
+            Failures(),
+        )
 
-    async def _call(self, name:str, *args):
+    async def _call(self, name: str, *args):
         "Call the trainer: through Ray when it is an actor handle, else in a worker thread"
         fn = getattr(self.trainer, name)
         return await fn.remote(*args) if hasattr(fn, 'remote') else await asyncio.to_thread(fn, *args)
@@ -250,30 +382,48 @@ class Orchestrator:
 
     async def progress(self) -> dict:
         "The last step's metrics, the step count, the latest held-out evaluation, the time so far and the failures"
-        return self.latest | dict(step=self.step, steps=self.cfg.loop.steps, last_eval=self.last_eval, failure_rate=self.train_failures.rate,
-                                  time=0.0 if self.started is None else time.perf_counter() - self.started, failures=self._failure_table())
+        return self.latest | dict(
+            step=self.step,
+            steps=self.cfg.loop.steps,
+            last_eval=self.last_eval,
+            failure_rate=self.train_failures.rate,
+            time=0.0 if self.started is None else time.perf_counter() - self.started,
+            failures=self._failure_table(),
+        )
 
     def _failure_table(self) -> dict:
         "'train <kind>' and 'eval <kind>' -> count and the first traceback"
-        return {f"{where} {k}": dict(count=n, first=fs.first[k]) for where, fs in (('train', self.train_failures), ('eval', self.eval_failures)) for k, n in fs.counts.items()}
+        return {
+            f"{where} {k}": dict(count=n, first=fs.first[k])
+            for where, fs in (('train', self.train_failures), ('eval', self.eval_failures))
+            for k, n in fs.counts.items()
+        }
 
 # %% ../nbs/13_loop.ipynb #067d2f8a
-async def evaluate(runner, engine, tasks:list, sampling:SamplingParams,
-                   timeout_s:float|None=None, # a rollout running longer fails
-                   failures:Failures|None=None, # where failed rollouts are counted, with their first traceback
-                  ) -> float:
+async def evaluate(
+    runner,
+    engine,
+    tasks: list,
+    sampling: SamplingParams,
+    timeout_s: float | None = None,  # a rollout running longer fails
+    failures: Failures | None = None,  # where failed rollouts are counted, with their first traceback
+) -> float:
     "Mean reward of one greedy rollout per task (a rollout that fails scores 0)"
     greedy = sampling.replace(temperature=0.0)
-    async def one(i:int, task:dict) -> float:
-        try: return (await _within(runner.run(engine, task, greedy, f"eval{i}", f"eval{i}", i), timeout_s)).reward
+
+    async def one(i: int, task: dict) -> float:
+        try:
+            return (await _within(runner.run(engine, task, greedy, f"eval{i}", f"eval{i}", i), timeout_s)).reward
         except Exception as e:
-            if failures is not None: failures.add(_reason(e), lambda: _traceback(e), f"eval{i}")
+            if failures is not None:
+                failures.add(_reason(e), lambda: _traceback(e), f"eval{i}")
             return 0.0
+
     return sum(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])) / max(len(tasks), 1)
 
 # %% ../nbs/13_loop.ipynb #7e977188
 @patch
-async def _start(self:Orchestrator) -> dict:
+async def _start(self: Orchestrator) -> dict:
     "Restore or begin the run; the pool state to start from"
     state, ckpt = dict(position=0, pending=[]), latest_checkpoint(self.store.checkpoints)
     if self.resume and ckpt is not None:
@@ -281,7 +431,8 @@ async def _start(self:Orchestrator) -> dict:
         self.step, state = extra['step'], extra['pool']
         self.store.truncate(self.step)
     else:
-        if self.resume: raise FileNotFoundError(f"resume: no checkpoint under {str(self.store.checkpoints)!r}")
+        if self.resume:
+            raise FileNotFoundError(f"resume: no checkpoint under {str(self.store.checkpoints)!r}")
         self.store.reset()
         self.store.write_config(self.cfg)
     version = (await self._call('state'))['version']
@@ -290,183 +441,309 @@ async def _start(self:Orchestrator) -> dict:
 
 # %% ../nbs/13_loop.ipynb #01a200d7
 @patch
-async def _collect(self:Orchestrator, pool:Pool, version:int) -> dict:
+async def _collect(self: Orchestrator, pool: Pool, version: int) -> dict:
     "The next batch for a trainer at policy `version`, with its trajectories and how long the wait was; None when loop.seconds runs out first"
     cfg, start = self.cfg, time.perf_counter()
     left = None if cfg.loop.seconds is None else max(cfg.loop.seconds - (start - self.started), 1e-3)
-    try: groups = await _within(pool.collect(cfg.rollout.groups_per_step, None if cfg.loop.mode == 'sync' else version - cfg.loop.max_staleness), left)
+    try:
+        groups = await _within(
+            pool.collect(
+                cfg.rollout.groups_per_step, None if cfg.loop.mode == 'sync' else version - cfg.loop.max_staleness
+            ),
+            left,
+        )
     except (TimeoutError, asyncio.TimeoutError):
-        self.timed_out = True # loop.seconds ran out before the batch filled: the run ends
+        self.timed_out = True  # loop.seconds ran out before the batch filled: the run ends
         return None
     trajectories = [t for g in groups for t in g.trajectories]
     batch = collate(trajectories, self.engine.vocab_size)
-    checked = check_token_identity(trajectories, {t.rollout_id: self.record.pop(t.rollout_id, None) for t in trajectories}, batch) if self.record is not None else 0
-    return dict(trajectories=trajectories, batch=batch, version=version, checked=checked, wait=time.perf_counter() - start)
+    checked = (
+        check_token_identity(
+            trajectories, {t.rollout_id: self.record.pop(t.rollout_id, None) for t in trajectories}, batch
+        )
+        if self.record is not None
+        else 0
+    )
+    return dict(
+        trajectories=trajectories, batch=batch, version=version, checked=checked, wait=time.perf_counter() - start
+    )
+
 
 @patch
-def _train(self:Orchestrator, work:dict) -> asyncio.Task:
+def _train(self: Orchestrator, work: dict) -> asyncio.Task:
     "Start the trainer on `work['batch']`; a task resolving to its output (metrics, new version, weights)"
     return asyncio.ensure_future(self._call('train_step', work['batch']))
 
+
 @patch
-async def _sync(self:Orchestrator, out:dict):
+async def _sync(self: Orchestrator, out: dict):
     "Load the trainer's new weights into the engine; the sync report"
     mode = self.cfg.loop.mode
     await self.engine.pause(keep=True, drain=mode == 'async')
-    try: return await self.sync.push(out['weights'], out['version'])
-    finally: await self.engine.resume()
+    try:
+        return await self.sync.push(out['weights'], out['version'])
+    finally:
+        await self.engine.resume()
 
 # %% ../nbs/13_loop.ipynb #84ebcb14
 @patch
-def _metrics(self:Orchestrator, work:dict, out:dict, pool:Pool, wall:float, busy_s:float, sync_s:float, report) -> dict:
+def _metrics(
+    self: Orchestrator, work: dict, out: dict, pool: Pool, wall: float, busy_s: float, sync_s: float, report
+) -> dict:
     trajectories, batch = work['trajectories'], work['batch']
     rewards = torch.tensor([t.reward for t in trajectories])
     lengths = torch.tensor([sum(int(s.num_actions) for s in t.segments) for t in trajectories], dtype=torch.float32)
-    age = torch.bincount((work['version'] - batch.versions[batch.action_mask]).long().clamp(min=0)) # trained tokens by versions old
-    return dict(step=self.step, version=self.sync.version, time=time.perf_counter() - self.started, reward=float(rewards.mean()),
-                **{'pass@1': float((rewards >= 1).float().mean())}, length_mean=float(lengths.mean()), length_max=float(lengths.max()),
-                **{k if k.startswith('routing/') else f"train/{k}": v for k, v in out['metrics'].items()},
-                **{f"staleness/{k}": float(v) for k, v in enumerate(age.tolist()) if v},
-                engine_idle=max(0., 1 - busy_s / wall), trainer_idle=max(0., 1 - out['seconds'] / wall),
-                time_collect=work['wait'], time_train=out['seconds'], time_sync=sync_s, sync_mb=report.nbytes / 2**20,
-                rollouts=float(len(trajectories)), samples_per_s=len(trajectories) / wall, identity_checked=work['checked'], failure_rate=pool.failures.rate,
-                **{f"pool/{k}": float(v) for k, v in pool.counters.items()})
+    age = torch.bincount(
+        (work['version'] - batch.versions[batch.action_mask]).long().clamp(min=0)
+    )  # trained tokens by versions old
+    return dict(
+        step=self.step,
+        version=self.sync.version,
+        time=time.perf_counter() - self.started,
+        reward=float(rewards.mean()),
+        **{'pass@1': float((rewards >= 1).float().mean())},
+        length_mean=float(lengths.mean()),
+        length_max=float(lengths.max()),
+        **{k if k.startswith('routing/') else f"train/{k}": v for k, v in out['metrics'].items()},
+        **{f"staleness/{k}": float(v) for k, v in enumerate(age.tolist()) if v},
+        engine_idle=max(0.0, 1 - busy_s / wall),
+        trainer_idle=max(0.0, 1 - out['seconds'] / wall),
+        time_collect=work['wait'],
+        time_train=out['seconds'],
+        time_sync=sync_s,
+        sync_mb=report.nbytes / 2**20,
+        rollouts=float(len(trajectories)),
+        samples_per_s=len(trajectories) / wall,
+        identity_checked=work['checked'],
+        failure_rate=pool.failures.rate,
+        **{f"pool/{k}": float(v) for k, v in pool.counters.items()},
+    )
+
 
 @patch
-def _write_samples(self:Orchestrator, trajectories:list,
-                   train_routes=None, # MoE: (rows, T, layers, top_k) the trainer's own expert choices, rows in collate order
-                   tokens:dict|None=None): # the trainer's per-token numbers by rollout (`token_columns`)
+def _write_samples(
+    self: Orchestrator,
+    trajectories: list,
+    train_routes=None,  # MoE: (rows, T, layers, top_k) the trainer's own expert choices, rows in collate order
+    tokens: dict | None = None,
+):  # the trainer's per-token numbers by rollout (`token_columns`)
     "One row per trained rollout: ids, reward, text, and per action token its id, text, version, behaviour and trainer numbers; for MoE the routes of every token"
     acts = [torch.cat([s.token_ids[s.action_mask] for s in t.segments]) for t in trajectories]
     action = lambda k: [torch.cat([getattr(s, k)[s.action_mask] for s in t.segments]).tolist() for t in trajectories]
     ids = [a.tolist() for a in acts]
     flat, starts = token_pieces(self.tokenizer, [i for row in ids for i in row]), [0, *accumulate(map(len, ids))]
-    columns = dict(step=self.step, rollout_id=[t.rollout_id for t in trajectories], group_id=[t.group_id for t in trajectories],
-                   prompt_index=[t.prompt_index for t in trajectories], reward=[t.reward for t in trajectories],
-                   text=self.tokenizer.batch_decode(acts), tokens=[len(a) for a in acts], versions=action('versions'),
-                   token_ids=ids, pieces=[flat[a:b] for a, b in zip(starts, starts[1:])], logp_behaviour=action('logprobs'))
+    columns = dict(
+        step=self.step,
+        rollout_id=[t.rollout_id for t in trajectories],
+        group_id=[t.group_id for t in trajectories],
+        prompt_index=[t.prompt_index for t in trajectories],
+        reward=[t.reward for t in trajectories],
+        text=self.tokenizer.batch_decode(acts),
+        tokens=[len(a) for a in acts],
+        versions=action('versions'),
+        token_ids=ids,
+        pieces=[flat[a:b] for a, b in zip(starts, starts[1:])],
+        logp_behaviour=action('logprobs'),
+    )
     tokens = tokens or {}
-    columns |= {k: [tokens.get(t.rollout_id, {}).get(k) for t in trajectories] for k in ('logp_train', 'log_ratio', 'keep', 'adv', 'trained')}
-    if train_routes is not None: columns |= _route_columns(trajectories, train_routes)
+    columns |= {
+        k: [tokens.get(t.rollout_id, {}).get(k) for t in trajectories]
+        for k in ('logp_train', 'log_ratio', 'keep', 'adv', 'trained')
+    }
+    if train_routes is not None:
+        columns |= _route_columns(trajectories, train_routes)
     self.store.add_samples(pd.DataFrame(columns))
 
-def _route_columns(trajectories:list, train_routes) -> dict:
+
+def _route_columns(trajectories: list, train_routes) -> dict:
     "`routes` (the rollout's) and `train_routes` per rollout: [token][layer][slot] expert ids over its segments' tokens, -1 unknown"
     rollout, train, row = [], [], 0
     for t in trajectories:
         n = [len(s) for s in t.segments]
-        if not n: rollout.append([]); train.append([]); continue
-        rollout.append(torch.cat([s.routes if s.routes is not None else torch.full((len(s), *train_routes.shape[2:]), -1, dtype=torch.int16) for s in t.segments]).tolist())
+        if not n:
+            rollout.append([])
+            train.append([])
+            continue
+        rollout.append(
+            torch.cat(
+                [
+                    s.routes
+                    if s.routes is not None
+                    else torch.full((len(s), *train_routes.shape[2:]), -1, dtype=torch.int16)
+                    for s in t.segments
+                ]
+            ).tolist()
+        )
         train.append(torch.cat([train_routes[row + i, :k] for i, k in enumerate(n)]).tolist())
         row += len(n)
     return dict(routes=rollout, train_routes=train)
 
 # %% ../nbs/13_loop.ipynb #583efb57
 @patch
-async def _checkpoint(self:Orchestrator, pool:Pool):
+async def _checkpoint(self: Orchestrator, pool: Pool):
     await self._call('save', str(self.store.checkpoints), dict(step=self.step, pool=pool.state()))
     self._flush()
 
+
 @patch
-def _flush(self:Orchestrator):
+def _flush(self: Orchestrator):
     "Write the metrics, the samples and the failures so far to the run store"
     self.store.write_failures(self._failure_table())
     self.store.flush()
 
-EVAL_GRACE_S = 5. # the least time an evaluation gets past loop.seconds (a tenth of loop.seconds when that is more)
+
+EVAL_GRACE_S = 5.0  # the least time an evaluation gets past loop.seconds (a tenth of loop.seconds when that is more)
+
 
 @patch
-def _more(self:Orchestrator) -> bool:
+def _more(self: Orchestrator) -> bool:
     lp = self.cfg.loop
     return self.step < lp.steps and (lp.seconds is None or time.perf_counter() - self.started < lp.seconds)
 
+
 @patch
-def _eval_timeout(self:Orchestrator) -> float:
+def _eval_timeout(self: Orchestrator) -> float:
     "How long an evaluation rollout may run: rollout.timeout_s, and no longer than loop.seconds has left, or than its grace when it is up"
     lp, timeout = self.cfg.loop, self.cfg.rollout.timeout_s
-    if lp.seconds is None: return timeout
-    grace = max(lp.seconds / 10, EVAL_GRACE_S) # the last step's evaluation starts when the time is up
+    if lp.seconds is None:
+        return timeout
+    grace = max(lp.seconds / 10, EVAL_GRACE_S)  # the last step's evaluation starts when the time is up
     return min(timeout, max(lp.seconds - (time.perf_counter() - self.started), grace))
 
-@patch
-async def _evaluate(self:Orchestrator, row:dict) -> dict:
-    start, failed = time.perf_counter(), sum(self.eval_failures.counts.values())
-    row['eval'] = self.last_eval = await evaluate(self.runner, self.engine, self.eval_tasks, self.sampling, self._eval_timeout(), self.eval_failures)
-    return row | dict(time_eval=time.perf_counter() - start, eval_failed=float(sum(self.eval_failures.counts.values()) - failed))
 
 @patch
-async def _last(self:Orchestrator, pool:Pool, row:dict, saved:bool, final_eval:bool=True) -> dict:
+async def _evaluate(self: Orchestrator, row: dict) -> dict:
+    start, failed = time.perf_counter(), sum(self.eval_failures.counts.values())
+    row['eval'] = self.last_eval = await evaluate(
+        self.runner, self.engine, self.eval_tasks, self.sampling, self._eval_timeout(), self.eval_failures
+    )
+    return row | dict(
+        time_eval=time.perf_counter() - start, eval_failed=float(sum(self.eval_failures.counts.values()) - failed)
+    )
+
+
+@patch
+async def _last(self: Orchestrator, pool: Pool, row: dict, saved: bool, final_eval: bool = True) -> dict:
     "Evaluate (if `final_eval`) and checkpoint the step of `row`, already logged, that turned out to be the last (loop.seconds ran out, or the run stopped)"
     if final_eval and 'eval' not in row:
         row = await self._evaluate(row)
-        self.store.amend(row); self.latest = row
-    if not saved: await self._checkpoint(pool)
+        self.store.amend(row)
+        self.latest = row
+    if not saved:
+        await self._checkpoint(pool)
     return row
 
+
 @patch
-def _stalled(self:Orchestrator, pool:Pool, row:dict) -> str:
+def _stalled(self: Orchestrator, pool: Pool, row: dict) -> str:
     "Why no step finished in time (`row`: the first evaluation's), and what to change"
     c, f, ev = pool.counters, pool.failures, self.eval_failures
     failed = f"; the first failure of each kind:\n\n{f.report()}" if f.counts else ''
-    if ev.counts: failed += f"\n\nIn evaluation: {ev.report()}"
-    return (f"no training step finished within loop.seconds={self.cfg.loop.seconds:g}: the first evaluation took {row['time_eval']:.1f} s "
-            f"({row['eval_failed']:.0f} of its {len(self.eval_tasks)} rollouts failed), {c['rollouts/ok']} rollouts succeeded, "
-            f"{sum(f.counts.values())} failed, {sum(v for k, v in c.items() if k.startswith('groups/') and k != 'groups/ok')} groups were dropped "
-            f"({', '.join(k for k in c if k.startswith('groups/')) or 'none'}) and {len(pool.in_flight)} were still running. Give the run more "
-            f"loop.seconds, make rollouts shorter (rollout.max_tokens, rollout.timeout_s={self.cfg.rollout.timeout_s:g}) or check why groups are dropped{failed}")
+    if ev.counts:
+        failed += f"\n\nIn evaluation: {ev.report()}"
+    return (
+        f"no training step finished within loop.seconds={self.cfg.loop.seconds:g}: the first evaluation took {row['time_eval']:.1f} s "
+        f"({row['eval_failed']:.0f} of its {len(self.eval_tasks)} rollouts failed), {c['rollouts/ok']} rollouts succeeded, "
+        f"{sum(f.counts.values())} failed, {sum(v for k, v in c.items() if k.startswith('groups/') and k != 'groups/ok')} groups were dropped "
+        f"({', '.join(k for k in c if k.startswith('groups/')) or 'none'}) and {len(pool.in_flight)} were still running. Give the run more "
+        f"loop.seconds, make rollouts shorter (rollout.max_tokens, rollout.timeout_s={self.cfg.rollout.timeout_s:g}) or check why groups are dropped{failed}"
+    )
+
 
 @patch
-async def run(self:Orchestrator) -> dict:
+async def run(self: Orchestrator) -> dict:
     "Run the loop to its end; the last metrics row"
     cfg, lp, r = self.cfg, self.cfg.loop, self.cfg.rollout
     state = await self._start()
-    pool = self.pool = Pool(self.runner, self.engine, self.train_tasks, self.sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes,
-                            streaming=lp.mode != 'sync', keep_range=None if r.keep_low is None else (r.keep_low, r.keep_high), record=self.record,
-                            max_failure_rate=r.max_failure_rate, failure_window=r.failure_window, **state)
+    pool = self.pool = Pool(
+        self.runner,
+        self.engine,
+        self.train_tasks,
+        self.sampling,
+        r.n_samples,
+        r.groups_in_flight,
+        r.timeout_s,
+        r.min_successes,
+        streaming=lp.mode != 'sync',
+        keep_range=None if r.keep_low is None else (r.keep_low, r.keep_high),
+        record=self.record,
+        max_failure_rate=r.max_failure_rate,
+        failure_window=r.failure_window,
+        **state,
+    )
     self.started, first = time.perf_counter(), self.step
     row = await self._evaluate(dict(step=self.step, time=0.0))
-    self._last_end, self._last_busy = time.perf_counter(), self.engine.stats['busy_s'] # where the first step's wall time starts
-    if not self.store.rows or self.store.rows[-1]['step'] < self.step: self.store.log(row)
-    stopped = None # a RunStopped from the pool: the steps trained so far are logged and checkpointed first, then it is raised
+    self._last_end, self._last_busy = (
+        time.perf_counter(),
+        self.engine.stats['busy_s'],
+    )  # where the first step's wall time starts
+    if not self.store.rows or self.store.rows[-1]['step'] < self.step:
+        self.store.log(row)
+    stopped = None  # a RunStopped from the pool: the steps trained so far are logged and checkpointed first, then it is raised
     try:
         version = self.sync.version
         work = await self._collect(pool, version) if self._more() else None
-        if work is None and self.step < lp.steps: self.timed_out = True # the first evaluation left no time
+        if work is None and self.step < lp.steps:
+            self.timed_out = True  # the first evaluation left no time
         task = self._train(work) if work else None
         while task is not None:
             out = await task
             self.step, version, task, nxt = self.step + 1, out['version'], None, None
             more, checkpoint = self._more(), cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0
             if more and lp.mode != 'sync' and not checkpoint:
-                try: nxt = await self._collect(pool, version)
-                except RunStopped as e: stopped = e
-                if nxt is None: more = False # the time ran out, or the run stopped, while the next batch filled: this step is the last
-                else: task = self._train(nxt)
+                try:
+                    nxt = await self._collect(pool, version)
+                except RunStopped as e:
+                    stopped = e
+                if nxt is None:
+                    more = False  # the time ran out, or the run stopped, while the next batch filled: this step is the last
+                else:
+                    task = self._train(nxt)
             start = time.perf_counter()
             report = await self._sync(out)
             end = time.perf_counter()
-            row = self._metrics(work, out, pool, end - self._last_end, self.engine.stats['busy_s'] - self._last_busy, end - start, report)
+            row = self._metrics(
+                work,
+                out,
+                pool,
+                end - self._last_end,
+                self.engine.stats['busy_s'] - self._last_busy,
+                end - start,
+                report,
+            )
             self._last_end, self._last_busy = end, self.engine.stats['busy_s']
             self._write_samples(work['trajectories'], out.get('train_routes'), out.get('tokens'))
-            if (not more and not stopped) or (lp.eval_every and self.step % lp.eval_every == 0): row = await self._evaluate(row)
-            self.store.log(row); self.latest = row
-            if not more or checkpoint: await self._checkpoint(pool)
-            elif self.step % lp.flush_every == 0: self._flush()
+            if (not more and not stopped) or (lp.eval_every and self.step % lp.eval_every == 0):
+                row = await self._evaluate(row)
+            self.store.log(row)
+            self.latest = row
+            if not more or checkpoint:
+                await self._checkpoint(pool)
+            elif self.step % lp.flush_every == 0:
+                self._flush()
             if more and task is None:
-                try: nxt = await self._collect(pool, version)
-                except RunStopped as e: stopped = e
-                if nxt is None: row = await self._last(pool, row, bool(checkpoint), final_eval=not stopped)
-                else: task = self._train(nxt)
+                try:
+                    nxt = await self._collect(pool, version)
+                except RunStopped as e:
+                    stopped = e
+                if nxt is None:
+                    row = await self._last(pool, row, bool(checkpoint), final_eval=not stopped)
+                else:
+                    task = self._train(nxt)
             work = nxt if more else None
-        if stopped: raise stopped
-        if self.timed_out and self.step == first: raise RunStopped(self._stalled(pool, row))
+        if stopped:
+            raise stopped
+        if self.timed_out and self.step == first:
+            raise RunStopped(self._stalled(pool, row))
     finally:
         await pool.close()
         self._flush()
     return row
 
+
 @patch
-def close(self:Orchestrator): self.engine.close()
+def close(self: Orchestrator):
+    self.engine.close()
 
 # %% ../nbs/13_loop.ipynb #1e42e4c3
 def reload_ray_auth():
@@ -477,63 +754,96 @@ def reload_ray_auth():
     # this way (ray._private.authentication_test_utils.reset_auth_token_state); only while this process runs no Ray.
     try:
         from ray._raylet import AuthenticationTokenLoader, Config
+
         Config.initialize('')
         AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError) as e: # private names: Ray 2.52 introduced token auth, and may rename them
+    except (ImportError, AttributeError) as e:  # private names: Ray 2.52 introduced token auth, and may rename them
         import ray
-        raise ImportError(f"molt_nb needs Ray >= 2.52 with token auth (ray._raylet.{getattr(e, 'name', None) or e} is missing in "
-                          f"Ray {ray.__version__}): pip install 'ray[client]>=2.52,<=2.60', the range molt_nb is tested on") from e
 
-def start_ray(address:str='local', # 'local' starts a private Ray on this machine; or a cluster's address
-              temp_dir:str|None=None, # where a local Ray keeps its sockets and logs (default a fresh temp dir)
-              num_cpus:int|None=None):
+        raise ImportError(
+            f"molt_nb needs Ray >= 2.52 with token auth (ray._raylet.{getattr(e, 'name', None) or e} is missing in "
+            f"Ray {ray.__version__}): pip install 'ray[client]>=2.52,<=2.60', the range molt_nb is tested on"
+        ) from e
+
+
+def start_ray(
+    address: str = 'local',  # 'local' starts a private Ray on this machine; or a cluster's address
+    temp_dir: str | None = None,  # where a local Ray keeps its sockets and logs (default a fresh temp dir)
+    num_cpus: int | None = None,
+):
     "Connect to Ray unless already connected"
     import ray
-    if ray.is_initialized(): return
+
+    if ray.is_initialized():
+        return
     reload_ray_auth()
-    env = {k: os.environ[k] for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS') if k in os.environ}
-    kw = dict(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, _node_ip_address='127.0.0.1',
-              _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-')) if address == 'local' else {}
+    env = {
+        k: os.environ[k]
+        for k in ('HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM', 'HF_HUB_DISABLE_PROGRESS_BARS')
+        if k in os.environ
+    }
+    kw = (
+        dict(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            _node_ip_address='127.0.0.1',
+            _temp_dir=temp_dir or tempfile.mkdtemp(prefix='molt-ray-'),
+        )
+        if address == 'local'
+        else {}
+    )
     # ray.init swaps 127.0.0.1 for this machine's address, and GCS, raylet and workers then listen on every interface
     # (issue 15). Ray keeps 127.0.0.1, and loopback, where it thinks clusters are off: a constant it reads from
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import. Both are set while Ray starts its processes, which keep the variable;
     # this process gets them back, so a later connection to a real cluster uses the machine's address again.
     from ray._private import ray_constants
+
     saved = os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), ray_constants.ENABLE_RAY_CLUSTER
-    if address == 'local': os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'], ray_constants.ENABLE_RAY_CLUSTER = '0', False
-    try: # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
+    if address == 'local':
+        os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'], ray_constants.ENABLE_RAY_CLUSTER = '0', False
+    try:  # actors' stdout stays in Ray's log files (errors still reach the caller through the calls that fail)
         ray.init(address=address, runtime_env=dict(env_vars=env), logging_level='ERROR', log_to_driver=False, **kw)
     finally:
         os.environ.pop('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', None)
-        if saved[0] is not None: os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = saved[0]
+        if saved[0] is not None:
+            os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = saved[0]
         ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
 
 class Run:
     "A run launched on Ray"
-    def __init__(self, cfg:RunConfig, orchestrator, trainer):
+
+    def __init__(self, cfg: RunConfig, orchestrator, trainer):
         self.cfg, self.orchestrator, self.trainer = cfg, orchestrator, trainer
         self.result = orchestrator.run.remote()
         self.store = RunStore(cfg.run_dir)
 
     def progress(self) -> dict:
         import ray
+
         return ray.get(self.orchestrator.progress.remote())
 
-    def wait(self, on_progress=None, poll_s:float=0.5) -> dict:
+    def wait(self, on_progress=None, poll_s: float = 0.5) -> dict:
         "Block until the run ends (calling `on_progress(progress)` meanwhile); its last metrics row"
         import ray
+
         while not ray.wait([self.result], timeout=poll_s)[0]:
-            if on_progress is not None: on_progress(self.progress())
+            if on_progress is not None:
+                on_progress(self.progress())
         return ray.get(self.result)
 
     def kill(self):
         "Stop both actors now (a crash, as far as the run store is concerned)"
         import ray
-        for a in (self.orchestrator, self.trainer): ray.kill(a)
 
-def launch(cfg:RunConfig, resume:bool=False) -> Run:
+        for a in (self.orchestrator, self.trainer):
+            ray.kill(a)
+
+
+def launch(cfg: RunConfig, resume: bool = False) -> Run:
     "Start `cfg` on Ray: a trainer actor and an orchestrator actor"
     import ray
+
     start_ray()
     trainer = ray.remote(Trainer).options(num_cpus=0).remote(cfg)
     orchestrator = ray.remote(Orchestrator).options(num_cpus=0).remote(cfg, trainer, resume)

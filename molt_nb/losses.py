@@ -19,43 +19,68 @@ from .golden import golden_case
 # %% ../nbs/08_losses.ipynb #9c9abad5
 KL_ESTIMATORS = ('k1', 'k2', 'k3')
 
-def _check_choice(setting:str, value, allowed:tuple):
-    if value not in allowed: raise ValueError(f"{setting} must be one of {allowed}, got {value!r}")
 
-def kl_estimate(logp:Tensor, # (B, T) logprobs of the sampling policy π
-                logp_ref:Tensor, # (B, T) logprobs of the reference policy
-                estimator:str='k3', # one of `KL_ESTIMATORS`
-               ) -> Tensor: # (B, T) per-token estimate of KL(π‖π_ref)
+def _check_choice(setting: str, value, allowed: tuple):
+    if value not in allowed:
+        raise ValueError(f"{setting} must be one of {allowed}, got {value!r}")
+
+
+def kl_estimate(
+    logp: Tensor,  # (B, T) logprobs of the sampling policy π
+    logp_ref: Tensor,  # (B, T) logprobs of the reference policy
+    estimator: str = 'k3',  # one of `KL_ESTIMATORS`
+) -> Tensor:  # (B, T) per-token estimate of KL(π‖π_ref)
     "Per-token estimate of KL(π‖π_ref) from tokens sampled by π"
     _check_choice('kl_estimator', estimator, KL_ESTIMATORS)
     d = torch.nan_to_num(logp - logp_ref).clamp(-30, 30)
-    if estimator == 'k1': return d
-    if estimator == 'k2': return (d * d / 2).clamp(-10, 10)
+    if estimator == 'k1':
+        return d
+    if estimator == 'k2':
+        return (d * d / 2).clamp(-10, 10)
     return (torch.exp(-d) - 1 + d).clamp(-10, 10)
 
 # %% ../nbs/08_losses.ipynb #18e410f0
-def _check_positive(setting:str, value, allow_zero:bool=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok: raise ValueError(f"{setting} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+def _check_positive(setting: str, value, allow_zero: bool = False):
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        raise ValueError(f"{setting} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
 
 class FixedKL:
     "A constant KL coefficient"
-    def __init__(self, coef:float): # weight of the KL term, >= 0
+
+    def __init__(self, coef: float):  # weight of the KL term, >= 0
         _check_positive('FixedKL coef', coef, allow_zero=True)
         self.coef = coef
-    def update(self, kl:float, n:int): "Nothing to adapt"
+
+    def update(self, kl: float, n: int):
+        "Nothing to adapt"
+
 
 class AdaptiveKL:
     "A KL coefficient that moves towards a target KL (Ziegler et al., 2019)"
-    def __init__(self, coef:float, # initial weight of the KL term, >= 0
-                 target:float, # the KL per token the controller aims at, > 0
-                 horizon:int=10000): # samples over which a full-size correction applies, > 0
+
+    def __init__(
+        self,
+        coef: float,  # initial weight of the KL term, >= 0
+        target: float,  # the KL per token the controller aims at, > 0
+        horizon: int = 10000,
+    ):  # samples over which a full-size correction applies, > 0
         _check_positive('AdaptiveKL coef', coef, allow_zero=True)
         _check_positive('AdaptiveKL target', target)
         _check_positive('AdaptiveKL horizon', horizon)
         self.coef, self.target, self.horizon = coef, target, horizon
-    def update(self, kl:float, # this step's measured KL
-               n:int): # samples in this step
+
+    def update(
+        self,
+        kl: float,  # this step's measured KL
+        n: int,
+    ):  # samples in this step
         "Scale `coef` by `1 + clip(kl/target − 1, ±0.2) · n/horizon`"
         self.coef *= 1 + min(max(kl / self.target - 1, -0.2), 0.2) * n / self.horizon
 
@@ -63,210 +88,319 @@ class AdaptiveKL:
 IS_LEVELS = ('off', 'token', 'seq', 'geo')
 IS_MODES = ('mask', 'clip', 'trunc')
 
+
 @dataclass(frozen=True)
 class ISConfig:
     "The train-vs-behaviour importance-sampling correction: which unit is gated, how, and the band"
-    level:str='off' # 'off', 'token' (each token's ratio), 'seq' (a row's product) or 'geo' (a row's geometric mean)
-    mode:str='mask' # 'mask' drops tokens outside the band, 'clip' clamps into it, 'trunc' caps at `high`; seq/geo: 'mask' only
-    low:float=0.5 # lower end of the band on π_train/π_behaviour, finite and >= 0
-    high:float=2.0 # upper end of the band, >= low
-    max_staleness:int|None=None # drop action tokens sampled more than this many policy versions ago; None keeps all
+
+    level: str = 'off'  # 'off', 'token' (each token's ratio), 'seq' (a row's product) or 'geo' (a row's geometric mean)
+    mode: str = 'mask'  # 'mask' drops tokens outside the band, 'clip' clamps into it, 'trunc' caps at `high`; seq/geo: 'mask' only
+    low: float = 0.5  # lower end of the band on π_train/π_behaviour, finite and >= 0
+    high: float = 2.0  # upper end of the band, >= low
+    max_staleness: int | None = (
+        None  # drop action tokens sampled more than this many policy versions ago; None keeps all
+    )
+
     def __post_init__(self):
         _check_choice('ISConfig.level', self.level, IS_LEVELS)
         _check_choice('ISConfig.mode', self.mode, IS_MODES)
-        if self.level in ('seq', 'geo') and self.mode != 'mask': raise ValueError(f"ISConfig.mode must be 'mask' when level is {self.level!r} (a sequence ratio is a rejection filter), got {self.mode!r}: use level='token' for 'clip' or 'trunc'")
-        if not (isinstance(self.low, (int, float)) and math.isfinite(self.low) and self.low >= 0): raise ValueError(f"ISConfig.low must be a finite number >= 0, got {self.low!r}")
-        if not (isinstance(self.high, (int, float)) and self.high >= self.low): raise ValueError(f"ISConfig band [low, high] must have low <= high, got low={self.low!r}, high={self.high!r}")
+        if self.level in ('seq', 'geo') and self.mode != 'mask':
+            raise ValueError(
+                f"ISConfig.mode must be 'mask' when level is {self.level!r} (a sequence ratio is a rejection filter), got {self.mode!r}: use level='token' for 'clip' or 'trunc'"
+            )
+        if not (isinstance(self.low, (int, float)) and math.isfinite(self.low) and self.low >= 0):
+            raise ValueError(f"ISConfig.low must be a finite number >= 0, got {self.low!r}")
+        if not (isinstance(self.high, (int, float)) and self.high >= self.low):
+            raise ValueError(
+                f"ISConfig band [low, high] must have low <= high, got low={self.low!r}, high={self.high!r}"
+            )
         s = self.max_staleness
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0): raise ValueError(f"ISConfig.max_staleness must be None or an int >= 0, got {s!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            raise ValueError(f"ISConfig.max_staleness must be None or an int >= 0, got {s!r}")
 
 # %% ../nbs/08_losses.ipynb #e1563713
 @dataclass
 class ISResult:
     "What the IS correction decided for each token"
-    coef:Tensor # (B, T) float, detached: the per-token loss multiplier, 0 off the kept tokens
-    keep:Tensor # (B, T) bool: action tokens that still train
-    weights:Tensor # (B, T) the raw ratio w = π_train/π_behaviour, 1 off action tokens
-    staleness:Tensor # (B, T) int32: trainer version minus the token's version on action tokens, 0 elsewhere
-    metrics:dict # name -> float
+
+    coef: Tensor  # (B, T) float, detached: the per-token loss multiplier, 0 off the kept tokens
+    keep: Tensor  # (B, T) bool: action tokens that still train
+    weights: Tensor  # (B, T) the raw ratio w = π_train/π_behaviour, 1 off action tokens
+    staleness: Tensor  # (B, T) int32: trainer version minus the token's version on action tokens, 0 elsewhere
+    metrics: dict  # name -> float
 
 # %% ../nbs/08_losses.ipynb #8469e06f
 def _check_is_inputs(logp, logp_behaviour, mask, cfg, versions, version):
-    if cfg.level != 'off' and logp_behaviour is None: raise ValueError(f"IS correction is on (level={cfg.level!r}) but the batch has no behaviour logprobs: every action token needs the engine's logprob; set ISConfig(level='off') or have the engine return logprobs")
+    if cfg.level != 'off' and logp_behaviour is None:
+        raise ValueError(
+            f"IS correction is on (level={cfg.level!r}) but the batch has no behaviour logprobs: every action token needs the engine's logprob; set ISConfig(level='off') or have the engine return logprobs"
+        )
     for name, t in (('logp_behaviour', logp_behaviour), ('action_mask', mask), ('versions', versions)):
-        if t is not None and t.shape != logp.shape: raise ValueError(f"is_correction: {name} has shape {tuple(t.shape)} but logp has shape {tuple(logp.shape)}; both must be (B, T) on the next-token axis")
-    if cfg.max_staleness is not None and (versions is None or version is None): raise ValueError(f"ISConfig.max_staleness={cfg.max_staleness} needs the tokens' policy versions and the trainer's version, got versions={'None' if versions is None else 'a tensor'}, version={version!r}: pass both or set max_staleness=None")
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(
+                f"is_correction: {name} has shape {tuple(t.shape)} but logp has shape {tuple(logp.shape)}; both must be (B, T) on the next-token axis"
+            )
+    if cfg.max_staleness is not None and (versions is None or version is None):
+        raise ValueError(
+            f"ISConfig.max_staleness={cfg.max_staleness} needs the tokens' policy versions and the trainer's version, got versions={'None' if versions is None else 'a tensor'}, version={version!r}: pass both or set max_staleness=None"
+        )
 
-def _staleness(mask:Tensor, versions:Tensor|None, version:int|None, max_staleness:int|None) -> tuple:
+
+def _staleness(mask: Tensor, versions: Tensor | None, version: int | None, max_staleness: int | None) -> tuple:
     "(B, T) int32 staleness on action tokens and the (B, T) bool stale tokens"
-    if versions is None or version is None: s = torch.zeros(mask.shape, dtype=torch.int32, device=mask.device)
+    if versions is None or version is None:
+        s = torch.zeros(mask.shape, dtype=torch.int32, device=mask.device)
     else:
         s = torch.where(mask, version - versions.to(torch.int32), 0).to(torch.int32)
-        if (s < 0).any(): raise ValueError(f"the trainer's version is {version} but action tokens were sampled by version {int(versions[mask].max())}: a token cannot be newer than the weights that train on it; pass the trainer's current policy version (>= every token's version)")
+        if (s < 0).any():
+            raise ValueError(
+                f"the trainer's version is {version} but action tokens were sampled by version {int(versions[mask].max())}: a token cannot be newer than the weights that train on it; pass the trainer's current policy version (>= every token's version)"
+            )
     return s, (mask & (s > max_staleness) if max_staleness is not None else torch.zeros_like(mask))
 
-def _gate_value(ell:Tensor, m:Tensor, level:str) -> Tensor:
+
+def _gate_value(ell: Tensor, m: Tensor, level: str) -> Tensor:
     "(B, T) what the gate compares with the band: each token's ratio, or its row's (seq, geo)"
-    if level == 'token': return ell.exp()
-    total, n = torch.where(m, ell, 0.).sum(1, keepdim=True), m.sum(1, keepdim=True)
+    if level == 'token':
+        return ell.exp()
+    total, n = torch.where(m, ell, 0.0).sum(1, keepdim=True), m.sum(1, keepdim=True)
     log_u = total.clamp(-30, 30) if level == 'seq' else total / n.clamp(min=1)
     return log_u.exp().expand_as(ell)
 
 # %% ../nbs/08_losses.ipynb #433caab3
-def _frac(num, den) -> float: return float(num) / float(den) if float(den) > 0 else 0.0
-def _mean(x:Tensor, m:Tensor) -> float: return _frac(torch.where(m, x, 0.).sum(), m.sum())
+def _frac(num, den) -> float:
+    return float(num) / float(den) if float(den) > 0 else 0.0
 
-def _is_metrics(mask, m, keep, stale, staleness, ell, w, has_behaviour:bool, has_versions:bool) -> dict:
+
+def _mean(x: Tensor, m: Tensor) -> float:
+    return _frac(torch.where(m, x, 0.0).sum(), m.sum())
+
+
+def _is_metrics(mask, m, keep, stale, staleness, ell, w, has_behaviour: bool, has_versions: bool) -> dict:
     "Floats describing what the correction removed and how far behaviour and train disagree"
     rows = m.any(1)
-    out = dict(is_filtered=_frac((m & ~keep).sum(), m.sum()), is_filtered_seqs=_frac((rows & ~keep.any(1)).sum(), rows.sum()),
-               stale_tokens=float(stale.sum()), stale_fraction=_frac(stale.sum(), mask.sum()))
+    out = dict(
+        is_filtered=_frac((m & ~keep).sum(), m.sum()),
+        is_filtered_seqs=_frac((rows & ~keep.any(1)).sum(), rows.sum()),
+        stale_tokens=float(stale.sum()),
+        stale_fraction=_frac(stale.sum(), mask.sum()),
+    )
     if has_behaviour:
-        q = torch.quantile(w[mask].double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64, device=w.device)).tolist() if mask.any() else [math.nan] * 3
+        q = (
+            torch.quantile(
+                w[mask].double(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64, device=w.device)
+            ).tolist()
+            if mask.any()
+            else [math.nan] * 3
+        )
         out.update(kl_behaviour_train=_mean(-ell, mask), ratio_p1=q[0], ratio_p50=q[1], ratio_p99=q[2])
-    if has_versions: out.update(staleness_mean=_mean(staleness.float(), mask), staleness_max=float(staleness[mask].max()) if mask.any() else 0.0)
+    if has_versions:
+        out.update(
+            staleness_mean=_mean(staleness.float(), mask),
+            staleness_max=float(staleness[mask].max()) if mask.any() else 0.0,
+        )
     return out
 
 # %% ../nbs/08_losses.ipynb #3dbbe6fd
-def is_correction(logp:Tensor, # (B, T) the trainer's logprobs at the current weights (detached here)
-                  logp_behaviour:Tensor|None, # (B, T) the engine's logprobs of the same tokens; None when it returned none
-                  action_mask:Tensor, # (B, T) bool, tokens the policy sampled
-                  cfg:ISConfig, # level, mode, band and staleness bound
-                  versions:Tensor|None=None, # (B, T) int policy version that sampled each token
-                  version:int|None=None, # the trainer's policy version
-                 ) -> ISResult:
+def is_correction(
+    logp: Tensor,  # (B, T) the trainer's logprobs at the current weights (detached here)
+    logp_behaviour: Tensor | None,  # (B, T) the engine's logprobs of the same tokens; None when it returned none
+    action_mask: Tensor,  # (B, T) bool, tokens the policy sampled
+    cfg: ISConfig,  # level, mode, band and staleness bound
+    versions: Tensor | None = None,  # (B, T) int policy version that sampled each token
+    version: int | None = None,  # the trainer's policy version
+) -> ISResult:
     "Per-token loss coefficients that correct for the behaviour policy differing from the trained one"
     _check_is_inputs(logp, logp_behaviour, action_mask, cfg, versions, version)
     mask = action_mask.bool()
-    ell = torch.zeros_like(logp) if logp_behaviour is None else torch.nan_to_num(logp.detach() - logp_behaviour.detach()).clamp(-30, 30)
-    ell = torch.where(mask, ell, 0.)
-    w = torch.where(mask, ell.exp(), 1.)
+    ell = (
+        torch.zeros_like(logp)
+        if logp_behaviour is None
+        else torch.nan_to_num(logp.detach() - logp_behaviour.detach()).clamp(-30, 30)
+    )
+    ell = torch.where(mask, ell, 0.0)
+    w = torch.where(mask, ell.exp(), 1.0)
     staleness, stale = _staleness(mask, versions, version, cfg.max_staleness)
     m = mask & ~stale
-    if cfg.level == 'off': keep, coef = m, m.to(logp.dtype)
+    if cfg.level == 'off':
+        keep, coef = m, m.to(logp.dtype)
     else:
         u = _gate_value(ell, m, cfg.level)
-        if cfg.mode == 'mask': keep = m & (u >= cfg.low) & (u <= cfg.high); coef = torch.where(keep, w, 0.)
-        elif cfg.mode == 'clip': keep, coef = m, torch.where(m, u.clamp(cfg.low, cfg.high), 0.)
-        else: keep, coef = m, torch.where(m, u.clamp(max=cfg.high), 0.)
-    metrics = _is_metrics(mask, m, keep, stale, staleness, ell, w, logp_behaviour is not None, versions is not None and version is not None)
+        if cfg.mode == 'mask':
+            keep = m & (u >= cfg.low) & (u <= cfg.high)
+            coef = torch.where(keep, w, 0.0)
+        elif cfg.mode == 'clip':
+            keep, coef = m, torch.where(m, u.clamp(cfg.low, cfg.high), 0.0)
+        else:
+            keep, coef = m, torch.where(m, u.clamp(max=cfg.high), 0.0)
+    metrics = _is_metrics(
+        mask,
+        m,
+        keep,
+        stale,
+        staleness,
+        ell,
+        w,
+        logp_behaviour is not None,
+        versions is not None and version is not None,
+    )
     return ISResult(coef, keep, w, staleness, metrics)
 
 # %% ../nbs/08_losses.ipynb #7eda0ee6
-POLICY_LOSSES = {} # name -> fn(logp, old_logp, adv, mask, cfg) -> (B, T) per-token loss
+POLICY_LOSSES = {}  # name -> fn(logp, old_logp, adv, mask, cfg) -> (B, T) per-token loss
 
-def policy_loss(name:str, # the name `LossConfig.policy_loss` selects it by
-                clipped=None, # fn(logp, old_logp, adv, mask, cfg) -> (B, T) bool, the tokens its clip changes
-                replace:bool=False, # replace a different function registered as `name` (a hot swap)
-               ):
+
+def policy_loss(
+    name: str,  # the name `LossConfig.policy_loss` selects it by
+    clipped=None,  # fn(logp, old_logp, adv, mask, cfg) -> (B, T) bool, the tokens its clip changes
+    replace: bool = False,  # replace a different function registered as `name` (a hot swap)
+):
     "Register `fn(logp, old_logp, adv, mask, cfg) -> (B, T) loss` as the policy loss `name`, with its clip rule"
+
     def register(fn):
         check_registration('policy loss', name, POLICY_LOSSES.get(name), fn, replace)
-        if clipped is not None: fn.clipped = clipped
+        if clipped is not None:
+            fn.clipped = clipped
         POLICY_LOSSES[name] = fn
         return fn
+
     return register
 
-def get_policy_loss(name:str):
+
+def get_policy_loss(name: str):
     "The registered policy loss `name`"
-    if name not in POLICY_LOSSES: raise ValueError(f"unknown policy loss {name!r}: known ones are {sorted(POLICY_LOSSES)}; register yours with @policy_loss(name)")
+    if name not in POLICY_LOSSES:
+        raise ValueError(
+            f"unknown policy loss {name!r}: known ones are {sorted(POLICY_LOSSES)}; register yours with @policy_loss(name)"
+        )
     return POLICY_LOSSES[name]
 
 # %% ../nbs/08_losses.ipynb #670076ea
 AGGREGATIONS = ('token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum_norm')
 
+
 @dataclass(frozen=True)
 class LossConfig:
     "How the policy-gradient loss is computed: surrogate, clip band, aggregation, KL term and IS correction"
-    policy_loss:str='ppo' # a registered policy loss: 'ppo', 'gspo', 'cispo' or one of yours
-    eps_low:float=0.2 # the ratio may fall to 1 - eps_low before the clip binds, in [0, 1]
-    eps_high:float=0.2 # the ratio may rise to 1 + eps_high before the clip binds, >= 0 (DAPO's clip-higher: 0.28)
-    dual_clip:float|None=None # c > 1 caps the loss of negative-advantage tokens at -c·A (ppo only); None: off
-    aggregation:str='token_mean' # one of `AGGREGATIONS`
-    norm_length:int|None=None # the constant length seq_mean_token_sum_norm divides each row's sum by (> 0, required there)
-    kl_coef:float=0.0 # weight of the KL(π‖π_ref) loss term, >= 0; 0 turns it off
-    kl_estimator:str='k3' # one of `KL_ESTIMATORS`
-    is_correction:ISConfig=ISConfig() # the train-vs-behaviour correction; a dict is converted
+
+    policy_loss: str = 'ppo'  # a registered policy loss: 'ppo', 'gspo', 'cispo' or one of yours
+    eps_low: float = 0.2  # the ratio may fall to 1 - eps_low before the clip binds, in [0, 1]
+    eps_high: float = 0.2  # the ratio may rise to 1 + eps_high before the clip binds, >= 0 (DAPO's clip-higher: 0.28)
+    dual_clip: float | None = None  # c > 1 caps the loss of negative-advantage tokens at -c·A (ppo only); None: off
+    aggregation: str = 'token_mean'  # one of `AGGREGATIONS`
+    norm_length: int | None = (
+        None  # the constant length seq_mean_token_sum_norm divides each row's sum by (> 0, required there)
+    )
+    kl_coef: float = 0.0  # weight of the KL(π‖π_ref) loss term, >= 0; 0 turns it off
+    kl_estimator: str = 'k3'  # one of `KL_ESTIMATORS`
+    is_correction: ISConfig = ISConfig()  # the train-vs-behaviour correction; a dict is converted
+
     def __post_init__(self):
-        if isinstance(self.is_correction, dict): object.__setattr__(self, 'is_correction', ISConfig(**self.is_correction))
+        if isinstance(self.is_correction, dict):
+            object.__setattr__(self, 'is_correction', ISConfig(**self.is_correction))
         _check_loss_config(self)
 
 # %% ../nbs/08_losses.ipynb #564a0a99
-def _check_loss_config(cfg:LossConfig):
+def _check_loss_config(cfg: LossConfig):
     "Raise on the first bad setting of `cfg`, naming it, its value and what is allowed"
-    try: get_policy_loss(cfg.policy_loss)
-    except ValueError as e: raise ValueError(f"LossConfig.policy_loss: {e}") from None
-    if not (isinstance(cfg.eps_low, (int, float)) and 0 <= cfg.eps_low <= 1): raise ValueError(f"LossConfig.eps_low must be in [0, 1], got {cfg.eps_low!r}")
+    try:
+        get_policy_loss(cfg.policy_loss)
+    except ValueError as e:
+        raise ValueError(f"LossConfig.policy_loss: {e}") from None
+    if not (isinstance(cfg.eps_low, (int, float)) and 0 <= cfg.eps_low <= 1):
+        raise ValueError(f"LossConfig.eps_low must be in [0, 1], got {cfg.eps_low!r}")
     _check_positive('LossConfig.eps_high', cfg.eps_high, allow_zero=True)
     if cfg.dual_clip is not None:
-        if not (isinstance(cfg.dual_clip, (int, float)) and cfg.dual_clip > 1): raise ValueError(f"LossConfig.dual_clip must be None or a number > 1, got {cfg.dual_clip!r}")
-        if cfg.policy_loss in ('gspo', 'cispo'): raise ValueError(f"LossConfig.dual_clip applies to policy_loss='ppo' only, got policy_loss={cfg.policy_loss!r} with dual_clip={cfg.dual_clip!r}: set dual_clip=None")
+        if not (isinstance(cfg.dual_clip, (int, float)) and cfg.dual_clip > 1):
+            raise ValueError(f"LossConfig.dual_clip must be None or a number > 1, got {cfg.dual_clip!r}")
+        if cfg.policy_loss in ('gspo', 'cispo'):
+            raise ValueError(
+                f"LossConfig.dual_clip applies to policy_loss='ppo' only, got policy_loss={cfg.policy_loss!r} with dual_clip={cfg.dual_clip!r}: set dual_clip=None"
+            )
     _check_choice('LossConfig.aggregation', cfg.aggregation, AGGREGATIONS)
     n = cfg.norm_length
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0): raise ValueError(f"LossConfig.norm_length must be None or an int > 0, got {n!r}")
-    if cfg.aggregation == 'seq_mean_token_sum_norm' and n is None: raise ValueError("LossConfig.norm_length is required with aggregation='seq_mean_token_sum_norm': set it to the longest response length (e.g. rollout max_tokens)")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+        raise ValueError(f"LossConfig.norm_length must be None or an int > 0, got {n!r}")
+    if cfg.aggregation == 'seq_mean_token_sum_norm' and n is None:
+        raise ValueError(
+            "LossConfig.norm_length is required with aggregation='seq_mean_token_sum_norm': set it to the longest response length (e.g. rollout max_tokens)"
+        )
     _check_positive('LossConfig.kl_coef', cfg.kl_coef, allow_zero=True)
     _check_choice('LossConfig.kl_estimator', cfg.kl_estimator, KL_ESTIMATORS)
-    if not isinstance(cfg.is_correction, ISConfig): raise ValueError(f"LossConfig.is_correction must be an ISConfig or a dict of its fields, got {type(cfg.is_correction).__name__}")
+    if not isinstance(cfg.is_correction, ISConfig):
+        raise ValueError(
+            f"LossConfig.is_correction must be an ISConfig or a dict of its fields, got {type(cfg.is_correction).__name__}"
+        )
 
 # %% ../nbs/08_losses.ipynb #94074f50
-def _log_ratio(logp:Tensor, old_logp:Tensor, mask:Tensor) -> Tensor:
+def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     "(B, T) clamp(nan_to_num(logp − old), ±30) on the mask, 0 off it"
-    return torch.where(mask, torch.nan_to_num(logp - old_logp).clamp(-30, 30), 0.)
+    return torch.where(mask, torch.nan_to_num(logp - old_logp).clamp(-30, 30), 0.0)
 
-def _clean_adv(adv:Tensor, mask:Tensor) -> Tensor:
+
+def _clean_adv(adv: Tensor, mask: Tensor) -> Tensor:
     "(B, T) `adv` on the mask, 0 off it and where it is NaN or ±inf"
-    return torch.where(mask & adv.isfinite(), adv, 0.)
+    return torch.where(mask & adv.isfinite(), adv, 0.0)
 
-def _clipped_surrogate(ratio:Tensor, adv:Tensor, cfg:LossConfig) -> Tensor:
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
     "(B, T) −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)"
     return -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
 
-def _clip_binds(ratio:Tensor, adv:Tensor, mask:Tensor, cfg:LossConfig) -> Tensor:
+
+def _clip_binds(ratio: Tensor, adv: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
     "(B, T) bool: the ratio left the band in the direction A pushes it, so `_clipped_surrogate` has no gradient"
     return mask & (((adv > 0) & (ratio > 1 + cfg.eps_high)) | ((adv < 0) & (ratio < 1 - cfg.eps_low)))
+
 
 def ppo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     "(B, T) bool: the tokens whose gradient PPO's clip or dual clip sets to 0 (arguments as for `ppo_loss`)"
     ratio = _log_ratio(logp, old_logp, mask).exp()
     out = _clip_binds(ratio, adv, mask, cfg)
-    if cfg.dual_clip is None: return out
+    if cfg.dual_clip is None:
+        return out
     return out | (mask & (adv < 0) & (ratio > cfg.dual_clip))
 
+
 @policy_loss('ppo', clipped=ppo_clipped)
-def ppo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
-             old_logp:Tensor, # (B, T) logprobs before this update, detached
-             adv:Tensor, # (B, T) per-token advantages
-             mask:Tensor, # (B, T) bool, tokens that train
-             cfg:LossConfig, # eps_low, eps_high, dual_clip
-            ) -> Tensor: # (B, T) per-token loss, 0 off the mask
+def ppo_loss(
+    logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
+    old_logp: Tensor,  # (B, T) logprobs before this update, detached
+    adv: Tensor,  # (B, T) per-token advantages
+    mask: Tensor,  # (B, T) bool, tokens that train
+    cfg: LossConfig,  # eps_low, eps_high, dual_clip
+) -> Tensor:  # (B, T) per-token loss, 0 off the mask
     "PPO's clipped surrogate, with an optional dual clip for negative advantages"
     adv = _clean_adv(adv, mask)
     loss = _clipped_surrogate(_log_ratio(logp, old_logp, mask).exp(), adv, cfg)
-    if cfg.dual_clip is not None: loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
-    return torch.where(mask, loss, 0.)
+    if cfg.dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -cfg.dual_clip * adv), loss)
+    return torch.where(mask, loss, 0.0)
 
 # %% ../nbs/08_losses.ipynb #f9b5cb32
-def _seq_log_ratio(logp:Tensor, old_logp:Tensor, mask:Tensor) -> Tensor:
+def _seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     "(B, 1) log s: the mean (clamped) log-ratio over each row's masked tokens"
     return _log_ratio(logp, old_logp, mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
 
 def gspo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     "(B, T) bool: tokens whose row ratio s is clipped, so their gradient is 0 (arguments as for `gspo_loss`)"
     return _clip_binds(_seq_log_ratio(logp, old_logp, mask).exp().expand_as(adv), adv, mask, cfg)
 
+
 @policy_loss('gspo', clipped=gspo_clipped)
-def gspo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
-              old_logp:Tensor, # (B, T) logprobs before this update, detached
-              adv:Tensor, # (B, T) per-token advantages
-              mask:Tensor, # (B, T) bool, tokens that train
-              cfg:LossConfig, # eps_low, eps_high
-             ) -> Tensor: # (B, T) per-token loss, 0 off the mask
+def gspo_loss(
+    logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
+    old_logp: Tensor,  # (B, T) logprobs before this update, detached
+    adv: Tensor,  # (B, T) per-token advantages
+    mask: Tensor,  # (B, T) bool, tokens that train
+    cfg: LossConfig,  # eps_low, eps_high
+) -> Tensor:  # (B, T) per-token loss, 0 off the mask
     "GSPO-token: PPO's clip on one length-normalised ratio per row, each token keeping its own gradient"
     log_s = _seq_log_ratio(logp, old_logp, mask)
-    lp = torch.where(mask, torch.nan_to_num(logp), 0.)
+    lp = torch.where(mask, torch.nan_to_num(logp), 0.0)
     ratio = torch.exp(lp - lp.detach() + log_s.detach())
-    return torch.where(mask, _clipped_surrogate(ratio, _clean_adv(adv, mask), cfg), 0.)
+    return torch.where(mask, _clipped_surrogate(ratio, _clean_adv(adv, mask), cfg), 0.0)
 
 # %% ../nbs/08_losses.ipynb #9a190251
 def cispo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
@@ -274,47 +408,63 @@ def cispo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     ratio = _log_ratio(logp, old_logp, mask).exp()
     return mask & ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high))
 
+
 @policy_loss('cispo', clipped=cispo_clipped)
-def cispo_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
-               old_logp:Tensor, # (B, T) logprobs before this update, detached
-               adv:Tensor, # (B, T) per-token advantages
-               mask:Tensor, # (B, T) bool, tokens that train
-               cfg:LossConfig, # eps_low, eps_high bound the IS weight
-              ) -> Tensor: # (B, T) per-token loss, 0 off the mask
+def cispo_loss(
+    logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
+    old_logp: Tensor,  # (B, T) logprobs before this update, detached
+    adv: Tensor,  # (B, T) per-token advantages
+    mask: Tensor,  # (B, T) bool, tokens that train
+    cfg: LossConfig,  # eps_low, eps_high bound the IS weight
+) -> Tensor:  # (B, T) per-token loss, 0 off the mask
     "CISPO: REINFORCE weighted by a clipped, detached IS ratio, so clipped tokens still get gradient"
     weight = _log_ratio(logp, old_logp, mask).exp().clamp(1 - cfg.eps_low, 1 + cfg.eps_high).detach()
-    return torch.where(mask, -weight * _clean_adv(adv, mask) * logp, 0.)
+    return torch.where(mask, -weight * _clean_adv(adv, mask) * logp, 0.0)
 
 # %% ../nbs/08_losses.ipynb #d3808a5a
-def loss_denominator(action_mask:Tensor, # (B, T) bool action mask of the WHOLE optimizer step
-                     cfg:LossConfig, # its `aggregation`
-                    ) -> float:
+def loss_denominator(
+    action_mask: Tensor,  # (B, T) bool action mask of the WHOLE optimizer step
+    cfg: LossConfig,  # its `aggregation`
+) -> float:
     "What the step's loss is divided by: its action tokens (token_mean) or its rows with any (the seq modes)"
-    if cfg.aggregation == 'token_mean': return float(action_mask.sum())
+    if cfg.aggregation == 'token_mean':
+        return float(action_mask.sum())
     return float(action_mask.any(1).sum())
 
-def aggregate(loss_tokens:Tensor, # (B, T) per-token loss
-              mask:Tensor, # (B, T) bool action mask
-              cfg:LossConfig, # `aggregation` and `norm_length`
-              denominator:float|None=None, # from `loss_denominator` of the whole step; None: of this batch alone
-             ) -> Tensor: # scalar loss
+
+def aggregate(
+    loss_tokens: Tensor,  # (B, T) per-token loss
+    mask: Tensor,  # (B, T) bool action mask
+    cfg: LossConfig,  # `aggregation` and `norm_length`
+    denominator: float | None = None,  # from `loss_denominator` of the whole step; None: of this batch alone
+) -> Tensor:  # scalar loss
     "One scalar from per-token losses, normalised by the optimizer step's denominator"
     denominator = loss_denominator(mask, cfg) if denominator is None else denominator
-    per_token = torch.where(mask, loss_tokens, 0.)
-    if cfg.aggregation == 'token_mean': total = per_token.sum()
-    elif cfg.aggregation == 'seq_mean_token_mean': total = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
-    else: total = per_token.sum() / cfg.norm_length
-    return total / denominator if denominator > 0 else total * 0.
+    per_token = torch.where(mask, loss_tokens, 0.0)
+    if cfg.aggregation == 'token_mean':
+        total = per_token.sum()
+    elif cfg.aggregation == 'seq_mean_token_mean':
+        total = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum()
+    else:
+        total = per_token.sum() / cfg.norm_length
+    return total / denominator if denominator > 0 else total * 0.0
 
 # %% ../nbs/08_losses.ipynb #b12ec93e
 def _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef):
     shape = tuple(batch.action_mask.shape)
     for name, t in (('logp', logp), ('old_logp', old_logp), ('adv', adv), ('logp_ref', logp_ref)):
-        if t is not None and tuple(t.shape) != shape: raise ValueError(f"compute_loss: {name} has shape {tuple(t.shape)} but batch.action_mask has shape {shape}; per-token tensors are (B, T) on the next-token axis")
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(
+                f"compute_loss: {name} has shape {tuple(t.shape)} but batch.action_mask has shape {shape}; per-token tensors are (B, T) on the next-token axis"
+            )
     _check_positive('compute_loss kl_coef', kl_coef, allow_zero=True)
-    if kl_coef > 0 and logp_ref is None: raise ValueError(f"the KL term is on (kl_coef={kl_coef}) but no logp_ref was given: pass the reference model's logprobs or set kl_coef=0")
+    if kl_coef > 0 and logp_ref is None:
+        raise ValueError(
+            f"the KL term is on (kl_coef={kl_coef}) but no logp_ref was given: pass the reference model's logprobs or set kl_coef=0"
+        )
 
-def _ratio_metrics(loss_fn, logp:Tensor, old_logp:Tensor, adv:Tensor, keep:Tensor, cfg:LossConfig) -> dict:
+
+def _ratio_metrics(loss_fn, logp: Tensor, old_logp: Tensor, adv: Tensor, keep: Tensor, cfg: LossConfig) -> dict:
     "The fraction of kept tokens the loss's own rule clips (if it has one) and the mean ratio π_θ/π_old"
     logp, rule, out = logp.detach(), getattr(loss_fn, 'clipped', None), {}
     if rule is not None:
@@ -323,16 +473,17 @@ def _ratio_metrics(loss_fn, logp:Tensor, old_logp:Tensor, adv:Tensor, keep:Tenso
     return out | dict(ratio_mean=_mean(_log_ratio(logp, old_logp, keep).exp(), keep))
 
 # %% ../nbs/08_losses.ipynb #5a25cee4
-def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gradient
-                 old_logp:Tensor, # (B, T) the trainer's logprobs before this update (detached here)
-                 adv:Tensor, # (B, T) per-token advantages
-                 batch:Batch, # action_mask, behaviour logprobs and versions of the same rows
-                 cfg:LossConfig, # the loss settings
-                 version:int|None=None, # the trainer's policy version (for max_staleness)
-                 logp_ref:Tensor|None=None, # (B, T) reference logprobs, required when the KL term is on
-                 denominator:float|None=None, # `loss_denominator` of the whole optimizer step; None: this batch's
-                 kl_coef:float|None=None, # overrides cfg.kl_coef (an adaptive controller's value)
-                ) -> tuple[Tensor, dict, ISResult]: # scalar loss, metrics (floats), the IS decision
+def compute_loss(
+    logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
+    old_logp: Tensor,  # (B, T) the trainer's logprobs before this update (detached here)
+    adv: Tensor,  # (B, T) per-token advantages
+    batch: Batch,  # action_mask, behaviour logprobs and versions of the same rows
+    cfg: LossConfig,  # the loss settings
+    version: int | None = None,  # the trainer's policy version (for max_staleness)
+    logp_ref: Tensor | None = None,  # (B, T) reference logprobs, required when the KL term is on
+    denominator: float | None = None,  # `loss_denominator` of the whole optimizer step; None: this batch's
+    kl_coef: float | None = None,  # overrides cfg.kl_coef (an adaptive controller's value)
+) -> tuple[Tensor, dict, ISResult]:  # scalar loss, metrics (floats), the IS decision
     "The scalar loss of one micro-batch, its metrics and the IS decision"
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef)
@@ -342,45 +493,65 @@ def compute_loss(logp:Tensor, # (B, T) logprobs at the current weights, with gra
     pg = loss_fn(logp, old_logp, clean, correction.keep, cfg) * correction.coef
     total, metrics = pg, {}
     if kl_coef > 0:
-        kl = torch.where(mask, kl_estimate(logp, logp_ref, cfg.kl_estimator), 0.)
+        kl = torch.where(mask, kl_estimate(logp, logp_ref, cfg.kl_estimator), 0.0)
         total, metrics['kl_loss'] = pg + kl_coef * kl, _mean(kl.detach(), mask)
     loss = aggregate(total, mask, cfg, denominator)
-    metrics = dict(loss=float(loss.detach()), pg_loss=_mean(pg.detach(), correction.keep), **metrics,
-                   adv_nonfinite=_frac((mask & ~adv.isfinite()).sum(), mask.sum()))
+    metrics = dict(
+        loss=float(loss.detach()),
+        pg_loss=_mean(pg.detach(), correction.keep),
+        **metrics,
+        adv_nonfinite=_frac((mask & ~adv.isfinite()).sum(), mask.sum()),
+    )
     metrics |= _ratio_metrics(loss_fn, logp, old_logp, clean, correction.keep, cfg)
     return loss, metrics | correction.metrics, correction
 
 # %% ../nbs/08_losses.ipynb #d330ec9f
-def group_drop_reason(scores:list, # the score of each rollout of the group
-                      low:float, # a group is kept if its mean score is > low ...
-                      high:float, # ... and < high
-                      group_size:int, # rollouts a complete group has
-                     ) -> str|None: # 'incomplete', 'all_pass' or 'all_fail'; None keeps the group
+def group_drop_reason(
+    scores: list,  # the score of each rollout of the group
+    low: float,  # a group is kept if its mean score is > low ...
+    high: float,  # ... and < high
+    group_size: int,  # rollouts a complete group has
+) -> str | None:  # 'incomplete', 'all_pass' or 'all_fail'; None keeps the group
     "DAPO's keep rule for one group: why it is dropped, or None to keep it"
-    if len(scores) != group_size: return 'incomplete'
+    if len(scores) != group_size:
+        return 'incomplete'
     mean = sum(scores) / len(scores)
-    if mean >= high: return 'all_pass'
-    if mean <= low: return 'all_fail'
+    if mean >= high:
+        return 'all_pass'
+    if mean <= low:
+        return 'all_fail'
     return None
 
-def group_filter(scores:Tensor, # (B,) score of each row's rollout
-                 rollout_ids:list, # (B,) rollout id of each row; rows of one rollout count once
-                 group_ids:list, # (B,) group id of each row
-                 low:float, # a group is kept if its mean score is > low ...
-                 high:float, # ... and < high
-                 group_size:int, # rollouts a complete group has, >= 2
-                ) -> tuple[Tensor, dict]: # (B,) bool rows kept, metrics (floats)
+
+def group_filter(
+    scores: Tensor,  # (B,) score of each row's rollout
+    rollout_ids: list,  # (B,) rollout id of each row; rows of one rollout count once
+    group_ids: list,  # (B,) group id of each row
+    low: float,  # a group is kept if its mean score is > low ...
+    high: float,  # ... and < high
+    group_size: int,  # rollouts a complete group has, >= 2
+) -> tuple[Tensor, dict]:  # (B,) bool rows kept, metrics (floats)
     "DAPO's dynamic sampling: keep the rows of complete groups that neither all pass nor all fail"
-    if not (math.isfinite(low) and math.isfinite(high) and low < high): raise ValueError(f"group_filter range must have finite low < high, got low={low!r}, high={high!r}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2: raise ValueError(f"group_filter group_size must be an int >= 2 (a group of one has no baseline), got {group_size!r}")
-    if not (len(scores) == len(rollout_ids) == len(group_ids)): raise ValueError(f"group_filter: scores, rollout_ids and group_ids must have one entry per row, got {len(scores)}, {len(rollout_ids)}, {len(group_ids)}")
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"group_filter range must have finite low < high, got low={low!r}, high={high!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(
+            f"group_filter group_size must be an int >= 2 (a group of one has no baseline), got {group_size!r}"
+        )
+    if not (len(scores) == len(rollout_ids) == len(group_ids)):
+        raise ValueError(
+            f"group_filter: scores, rollout_ids and group_ids must have one entry per row, got {len(scores)}, {len(rollout_ids)}, {len(group_ids)}"
+        )
     groups = {}  # group -> {rollout: score of its first row}
-    for s, r, gid in zip(scores.tolist(), rollout_ids, group_ids): groups.setdefault(gid, {}).setdefault(r, s)
+    for s, r, gid in zip(scores.tolist(), rollout_ids, group_ids):
+        groups.setdefault(gid, {}).setdefault(r, s)
     counts, kept = dict(incomplete=0, all_pass=0, all_fail=0), set()
     for gid, rollouts in groups.items():
         why = group_drop_reason(list(rollouts.values()), low, high, group_size)
-        if why is None: kept.add(gid)
-        else: counts[why] += 1
+        if why is None:
+            kept.add(gid)
+        else:
+            counts[why] += 1
     keep = torch.tensor([gid in kept for gid in group_ids], dtype=torch.bool, device=scores.device)
     metrics = dict(groups=float(len(groups)), kept_groups=float(len(kept)), pass_rate=_frac(len(kept), len(groups)))
     return keep, metrics | {k: float(v) for k, v in counts.items()}
@@ -388,15 +559,23 @@ def group_filter(scores:Tensor, # (B,) score of each row's rollout
 # %% ../nbs/08_losses.ipynb #2fa57896
 def _golden_inputs(g) -> tuple:
     "(leaf logp with gradient, old logp, advantages) of the golden batch"
-    adv = torch.where(g.batch.action_mask, (g.batch.rewards - 0.5)[:, None], 0.)
+    adv = torch.where(g.batch.action_mask, (g.batch.rewards - 0.5)[:, None], 0.0)
     return g.logp_new.clone().requires_grad_(), g.logp, adv
 
-def _loss_case(g, cfg:LossConfig) -> dict:
+
+def _loss_case(g, cfg: LossConfig) -> dict:
     "Per-token loss, gradient of the aggregated loss wrt logp, and metrics"
     logp, old, adv = _golden_inputs(g)
     loss, metrics, _ = compute_loss(logp, old, adv, g.batch, cfg, version=g.version)
     loss.backward()
-    return dict(loss_tokens=get_policy_loss(cfg.policy_loss)(logp.detach(), old, adv, g.batch.action_mask, cfg), grad=logp.grad) | metrics
+    return (
+        dict(
+            loss_tokens=get_policy_loss(cfg.policy_loss)(logp.detach(), old, adv, g.batch.action_mask, cfg),
+            grad=logp.grad,
+        )
+        | metrics
+    )
+
 
 golden_case('ppo')(lambda g: _loss_case(g, LossConfig()))
 golden_case('ppo/dual_clip')(lambda g: _loss_case(g, LossConfig(eps_low=0.2, eps_high=0.28, dual_clip=1.25)))
@@ -404,14 +583,17 @@ golden_case('gspo')(lambda g: _loss_case(g, LossConfig('gspo')))
 golden_case('cispo')(lambda g: _loss_case(g, LossConfig('cispo', eps_low=1.0, eps_high=0.28)))
 golden_case('cispo/eps_low')(lambda g: _loss_case(g, LossConfig('cispo', eps_low=0.2, eps_high=0.28)))
 
+
 @golden_case('kl')
-def _kl_case(g) -> dict: return {k: kl_estimate(g.logp, g.logp_ref, k) for k in KL_ESTIMATORS}
+def _kl_case(g) -> dict:
+    return {k: kl_estimate(g.logp, g.logp_ref, k) for k in KL_ESTIMATORS}
 
 # %% ../nbs/08_losses.ipynb #39443460
-def _is_case(g, cfg:ISConfig) -> dict:
+def _is_case(g, cfg: ISConfig) -> dict:
     "The correction's coefficients, kept tokens and metrics on the golden batch"
     r = is_correction(g.logp, g.batch.logprobs, g.batch.action_mask, cfg, g.batch.versions, g.version)
     return dict(coef=r.coef, keep=r.keep, staleness=r.staleness) | r.metrics
+
 
 for _level, _mode in [('token', 'mask'), ('token', 'clip'), ('token', 'trunc'), ('seq', 'mask'), ('geo', 'mask')]:
     golden_case(f'is/{_level}-{_mode}')(lambda g, c=ISConfig(_level, _mode, 0.8, 1.25): _is_case(g, c))
@@ -419,19 +601,23 @@ for _level in ('seq', 'geo'):
     golden_case(f'is/{_level}-mask-wide')(lambda g, c=ISConfig(_level, 'mask', 0.5, 2.0): _is_case(g, c))
 golden_case('is/staleness')(lambda g: _is_case(g, ISConfig('token', 'mask', 0.8, 1.25, max_staleness=2)))
 
+
 @golden_case('aggregation')
 def _aggregation_case(g) -> dict:
     "Loss and gradient of each aggregation, with IS (token/mask) and a k3 KL term on"
     out = {}
     for mode in AGGREGATIONS:
-        cfg = LossConfig(aggregation=mode, norm_length=8, kl_coef=0.1, is_correction=ISConfig('token', 'mask', 0.8, 1.25))
+        cfg = LossConfig(
+            aggregation=mode, norm_length=8, kl_coef=0.1, is_correction=ISConfig('token', 'mask', 0.8, 1.25)
+        )
         logp, old, adv = _golden_inputs(g)
         loss = compute_loss(logp, old, adv, g.batch, cfg, version=g.version, logp_ref=g.logp_ref)[0]
         loss.backward()
         out[f'{mode}/loss'], out[f'{mode}/grad'] = loss.detach(), logp.grad
     return out
 
+
 @golden_case('group_filter')
 def _group_filter_case(g) -> dict:
-    keep, metrics = group_filter(g.batch.scores, g.batch.rollout_ids, g.batch.group_ids, 0., 1., 4)
+    keep, metrics = group_filter(g.batch.scores, g.batch.rollout_ids, g.batch.group_ids, 0.0, 1.0, 4)
     return dict(keep=keep) | metrics

@@ -14,12 +14,21 @@ from pathlib import Path
 import torch
 from torch import nn
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 # %% ../nbs/01_models.ipynb #490e2c14
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (eos)
 MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
 
 def byte_bpe() -> Tokenizer:
     "A `tokenizers.Tokenizer`: 256 byte symbols (zero merges), the ChatML specials, then the markers."
@@ -66,13 +75,19 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 # %% ../nbs/01_models.ipynb #879f42d3
 def build_tokenizer() -> PreTrainedTokenizerFast:
     "The in-code byte-level tokenizer (vocabulary 265) with the Qwen3-style `CHAT_TEMPLATE`."
-    return PreTrainedTokenizerFast(tokenizer_object=byte_bpe(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   padding_side="left", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=byte_bpe(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 # %% ../nbs/01_models.ipynb #a26ee889
 @dataclass
 class TinyConfig:
     "Shape and seed of a tiny Qwen3 (dense) or Qwen3-MoE model."
+
     vocab_size: int = 265  # embedding rows; at least `len(tokenizer)`
     hidden_size: int = 64  # residual stream width
     intermediate_size: int = 128  # dense MLP width (dense models and `dense_layers`)
@@ -90,22 +105,40 @@ class TinyConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (MoE only)
 
 # %% ../nbs/01_models.ipynb #78ee5377
-def hf_config(cfg: TinyConfig, # the tiny model's shape
-              **ids, # `eos_token_id`, `pad_token_id`, `bos_token_id`
-             ) -> Qwen3Config | Qwen3MoeConfig:
+def hf_config(
+    cfg: TinyConfig,  # the tiny model's shape
+    **ids,  # `eos_token_id`, `pad_token_id`, `bos_token_id`
+) -> Qwen3Config | Qwen3MoeConfig:
     "The `Qwen3Config` (dense) or `Qwen3MoeConfig` (`num_experts > 0`) for `cfg`."
-    if cfg.num_heads % cfg.num_kv_heads: raise ValueError(f"num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}")
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, tie_word_embeddings=cfg.tie_embeddings, **ids)
-    if cfg.num_experts == 0: return Qwen3Config(**common)
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"num_heads={cfg.num_heads} must be a multiple of num_kv_heads={cfg.num_kv_heads}")
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=cfg.tie_embeddings,
+        **ids,
+    )
+    if cfg.num_experts == 0:
+        return Qwen3Config(**common)
     if not 0 < cfg.experts_per_token <= cfg.num_experts:
         raise ValueError(f"experts_per_token={cfg.experts_per_token} must be in 1..num_experts={cfg.num_experts}")
     bad = [i for i in cfg.dense_layers if not 0 <= i < cfg.num_layers]
-    if bad: raise ValueError(f"dense_layers {bad} are not decoder-layer ids 0..{cfg.num_layers - 1}")
-    return Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                          moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-                          mlp_only_layers=list(cfg.dense_layers))
+    if bad:
+        raise ValueError(f"dense_layers {bad} are not decoder-layer ids 0..{cfg.num_layers - 1}")
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
+        mlp_only_layers=list(cfg.dense_layers),
+    )
 
 # %% ../nbs/01_models.ipynb #4a19aee6
 def token_ids(tokenizer) -> dict:
@@ -113,9 +146,11 @@ def token_ids(tokenizer) -> dict:
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
     return dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=bos)
 
-def build_model(cfg: TinyConfig, # shape and seed
-                tokenizer=None, # if given: its eos/pad/bos ids go into the model and generation configs
-               ) -> PreTrainedModel:
+
+def build_model(
+    cfg: TinyConfig,  # shape and seed
+    tokenizer=None,  # if given: its eos/pad/bos ids go into the model and generation configs
+) -> PreTrainedModel:
     "A freshly initialised tiny Qwen3 or Qwen3-MoE causal LM: fp32, eval mode, `sdpa` attention."
     ids = token_ids(tokenizer) if tokenizer is not None else {}
     if tokenizer is not None and len(tokenizer) > cfg.vocab_size:
@@ -126,20 +161,28 @@ def build_model(cfg: TinyConfig, # shape and seed
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = cls(config)
-    for k, v in ids.items(): setattr(model.generation_config, k, v)
+    for k, v in ids.items():
+        setattr(model.generation_config, k, v)
     return model.to(torch.float32).eval()
 
 # %% ../nbs/01_models.ipynb #9c3a31e7
-def tiny_dense(tokenizer=None, # defaults to `build_tokenizer()`
-               **overrides) -> PreTrainedModel:
+def tiny_dense(
+    tokenizer=None,  # defaults to `build_tokenizer()`
+    **overrides,
+) -> PreTrainedModel:
     "A tiny dense `Qwen3ForCausalLM` (~91k parameters with the defaults)."
     return build_model(TinyConfig(**overrides), tokenizer or build_tokenizer())
 
-def tiny_moe(tokenizer=None, # defaults to `build_tokenizer()`
-             **overrides) -> PreTrainedModel:
+
+def tiny_moe(
+    tokenizer=None,  # defaults to `build_tokenizer()`
+    **overrides,
+) -> PreTrainedModel:
     "A tiny `Qwen3MoeForCausalLM`: 4 experts, top-2, renormalised weights (~141k parameters)."
-    return build_model(TinyConfig(**{"num_experts": 4, "experts_per_token": 2, "norm_topk_prob": True, **overrides}),
-                       tokenizer or build_tokenizer())
+    return build_model(
+        TinyConfig(**{"num_experts": 4, "experts_per_token": 2, "norm_topk_prob": True, **overrides}),
+        tokenizer or build_tokenizer(),
+    )
 
 # %% ../nbs/01_models.ipynb #29949fa9
 def save_policy(model: PreTrainedModel, tokenizer, path):
@@ -147,17 +190,23 @@ def save_policy(model: PreTrainedModel, tokenizer, path):
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
 
-def load_policy(path, # a local HF causal-LM checkpoint directory
-                dtype=torch.float32, # dtype of the loaded weights
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+
+def load_policy(
+    path,  # a local HF causal-LM checkpoint directory
+    dtype=torch.float32,  # dtype of the loaded weights
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     "Load `(model, tokenizer)` from a local HF checkpoint directory, in eval mode; never downloads."
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {str(path)!r}: expected a local HF-format directory "
-                                "with config.json (models are never downloaded; pass a path on disk)")
+        raise FileNotFoundError(
+            f"no checkpoint directory at {str(path)!r}: expected a local HF-format directory "
+            "with config.json (models are never downloaded; pass a path on disk)"
+        )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} has no config.json: expected a local HF-format checkpoint directory "
-                                "(models are never downloaded; save one with save_policy or save_pretrained)")
+        raise FileNotFoundError(
+            f"{str(path)!r} has no config.json: expected a local HF-format checkpoint directory "
+            "(models are never downloaded; save one with save_policy or save_pretrained)"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval(), AutoTokenizer.from_pretrained(path, local_files_only=True)
 
@@ -165,11 +214,16 @@ def load_policy(path, # a local HF causal-LM checkpoint directory
 def moe_gates(model: PreTrainedModel) -> dict[int, nn.Module]:
     "Global decoder-layer id -> that layer's router (`mlp.gate`), for layers whose MLP is a mixture of experts."
     layers = model.model.layers
-    return {i: layer.mlp.gate for i, layer in enumerate(layers)
-            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")}
+    return {
+        i: layer.mlp.gate
+        for i, layer in enumerate(layers)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    }
+
 
 def route_shape(model: PreTrainedModel) -> tuple[int, int] | None:
     "`(num decoder layers, top_k)` of the routes a MoE model makes per token; None for a dense model."
     gates = moe_gates(model)
-    if not gates: return None
+    if not gates:
+        return None
     return len(model.model.layers), next(iter(gates.values())).top_k

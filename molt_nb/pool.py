@@ -19,62 +19,86 @@ from .losses import group_drop_reason
 @dataclass
 class Group:
     "The finished rollouts of one prompt"
-    index:int # position of the prompt in the data order (its group id is f"g{index}")
-    task:dict # what the agent was reset on
-    trajectories:list # the rollouts that succeeded
-    failures:dict # reason -> rollouts of this group that failed
+
+    index: int  # position of the prompt in the data order (its group id is f"g{index}")
+    task: dict  # what the agent was reset on
+    trajectories: list  # the rollouts that succeeded
+    failures: dict  # reason -> rollouts of this group that failed
 
     @property
-    def scores(self) -> list: return [t.score for t in self.trajectories]
+    def scores(self) -> list:
+        return [t.score for t in self.trajectories]
 
     @property
     def oldest_version(self) -> int:
         "The oldest policy version that sampled any token of the group (a large number when none did)"
-        vs = [int(s.versions[s.action_mask].min()) for t in self.trajectories for s in t.segments if s.action_mask.any()]
+        vs = [
+            int(s.versions[s.action_mask].min()) for t in self.trajectories for s in t.segments if s.action_mask.any()
+        ]
         return min(vs) if vs else 2**31 - 1
 
 # %% ../nbs/12_pool.ipynb #93c59d6f
 class Pool:
     "Runs groups of rollouts of an agent against an engine, and hands out finished groups"
-    def __init__(self, runner, # an agent runner: `await runner.run(engine, task, sampling, rollout_id, group_id, prompt_index)`
-                 engine, # an `Engine` (or a router over engines)
-                 tasks:list, # the prompts, as dicts the agent's env is reset on
-                 sampling:SamplingParams, # sampling of every rollout
-                 n_samples:int=8, # rollouts per prompt
-                 groups_in_flight:int=8, # groups running or waiting when streaming
-                 timeout_s:float=60., # most seconds one rollout may take before it is cancelled and counted
-                 min_successes:int=2, # fewer good rollouts than this and the group is dropped
-                 streaming:bool=True, # keep generating while nobody collects (async training)
-                 keep_range:tuple|None=None, # (low, high): keep complete groups with mean score strictly inside
-                 position:int=0, # data position of the next new group
-                 pending:list=(), # data positions to launch first (a resumed run's groups in flight)
-                 max_restarts:int=4, # aborts a rollout may restart after before it counts as failed
-                 record:dict|None=None, # debug: rollout id -> the engine's Generations for it, kept for a token-identity check
-                 max_failure_rate:float=1.0, # collect raises `RunStopped` once more than this fraction of the last `failure_window` rollouts failed (1: never)
-                 failure_window:int=64, # finished rollouts the failure rate looks at
-                ):
-        if not tasks: raise ValueError("Pool.tasks is empty: give at least one task")
-        if n_samples < 1: raise ValueError(f"Pool.n_samples is {n_samples}: sample at least one rollout per prompt")
-        if not 1 <= min_successes <= n_samples: raise ValueError(f"Pool.min_successes is {min_successes}: it must lie in [1, n_samples={n_samples}]")
-        if groups_in_flight < 1: raise ValueError(f"Pool.groups_in_flight is {groups_in_flight}: keep at least one group in flight")
-        if not timeout_s > 0: raise ValueError(f"Pool.timeout_s is {timeout_s}: give a positive number of seconds")
+
+    def __init__(
+        self,
+        runner,  # an agent runner: `await runner.run(engine, task, sampling, rollout_id, group_id, prompt_index)`
+        engine,  # an `Engine` (or a router over engines)
+        tasks: list,  # the prompts, as dicts the agent's env is reset on
+        sampling: SamplingParams,  # sampling of every rollout
+        n_samples: int = 8,  # rollouts per prompt
+        groups_in_flight: int = 8,  # groups running or waiting when streaming
+        timeout_s: float = 60.0,  # most seconds one rollout may take before it is cancelled and counted
+        min_successes: int = 2,  # fewer good rollouts than this and the group is dropped
+        streaming: bool = True,  # keep generating while nobody collects (async training)
+        keep_range: tuple | None = None,  # (low, high): keep complete groups with mean score strictly inside
+        position: int = 0,  # data position of the next new group
+        pending: list = (),  # data positions to launch first (a resumed run's groups in flight)
+        max_restarts: int = 4,  # aborts a rollout may restart after before it counts as failed
+        record: dict
+        | None = None,  # debug: rollout id -> the engine's Generations for it, kept for a token-identity check
+        max_failure_rate: float = 1.0,  # collect raises `RunStopped` once more than this fraction of the last `failure_window` rollouts failed (1: never)
+        failure_window: int = 64,  # finished rollouts the failure rate looks at
+    ):
+        if not tasks:
+            raise ValueError("Pool.tasks is empty: give at least one task")
+        if n_samples < 1:
+            raise ValueError(f"Pool.n_samples is {n_samples}: sample at least one rollout per prompt")
+        if not 1 <= min_successes <= n_samples:
+            raise ValueError(f"Pool.min_successes is {min_successes}: it must lie in [1, n_samples={n_samples}]")
+        if groups_in_flight < 1:
+            raise ValueError(f"Pool.groups_in_flight is {groups_in_flight}: keep at least one group in flight")
+        if not timeout_s > 0:
+            raise ValueError(f"Pool.timeout_s is {timeout_s}: give a positive number of seconds")
         self.runner, self.engine, self.tasks, self.sampling = runner, engine, list(tasks), sampling
-        self.n_samples, self.groups_in_flight, self.timeout_s, self.min_successes = n_samples, groups_in_flight, timeout_s, min_successes
+        self.n_samples, self.groups_in_flight, self.timeout_s, self.min_successes = (
+            n_samples,
+            groups_in_flight,
+            timeout_s,
+            min_successes,
+        )
         self.streaming, self.keep_range, self.max_restarts, self.record = streaming, keep_range, max_restarts, record
         self.position, self.pending = position, list(pending)
-        self.counters = collections.Counter() # rollouts/<reason>, groups/<reason>, restarted
+        self.counters = collections.Counter()  # rollouts/<reason>, groups/<reason>, restarted
         self.failures, self.max_failure_rate = Failures(failure_window), max_failure_rate
         self.in_flight, self.ready, self._wake, self._closed = {}, collections.deque(), asyncio.Event(), False
 
 # %% ../nbs/12_pool.ipynb #dc276421
 class Recorder:
     "An engine proxy that keeps every `Generation` it returns"
-    def __init__(self, engine): self.engine, self.generations = engine, []
+
+    def __init__(self, engine):
+        self.engine, self.generations = engine, []
+
     async def generate(self, *args, **kwargs):
         gen = await self.engine.generate(*args, **kwargs)
         self.generations.append(gen)
         return gen
-    def __getattr__(self, name): return getattr(self.engine, name)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
     @property
     def unrecorded(self):
         "The engine itself: what is sampled through it is not recorded (a judge's text is never trained on)"
@@ -84,26 +108,36 @@ class Recorder:
 class RunStopped(RuntimeError):
     "The run cannot go on: its rollouts keep failing, or no step could finish in time"
 
+
 class Failures:
     "Failed rollouts: a count per kind, the first traceback of each kind, and the outcomes of the latest `window`"
-    def __init__(self, window:int=64):
+
+    def __init__(self, window: int = 64):
         self.counts, self.first, self.recent = collections.Counter(), {}, collections.deque(maxlen=window)
 
-    def add(self, kind:str,
-            detail, # its traceback, or a function giving it: called only for the first failure of its kind
-            rollout_id:str='',
-            stop:bool=True): # counted in `rate` (toward the failure-rate stop): the agent's failures are, the engine's aborts not
+    def add(
+        self,
+        kind: str,
+        detail,  # its traceback, or a function giving it: called only for the first failure of its kind
+        rollout_id: str = '',
+        stop: bool = True,
+    ):  # counted in `rate` (toward the failure-rate stop): the agent's failures are, the engine's aborts not
         "Count a failed rollout of `kind`, keeping the first one's detail"
         self.counts[kind] += 1
         self.recent.append(stop)
-        if kind not in self.first: self.first[kind] = f"rollout {rollout_id} failed ({kind}):\n{(detail() if callable(detail) else detail).rstrip()}"
+        if kind not in self.first:
+            self.first[kind] = (
+                f"rollout {rollout_id} failed ({kind}):\n{(detail() if callable(detail) else detail).rstrip()}"
+            )
 
-    def ok(self): self.recent.append(False)
+    def ok(self):
+        self.recent.append(False)
 
     @property
-    def rate(self) -> float: return sum(self.recent) / max(len(self.recent), 1)
+    def rate(self) -> float:
+        return sum(self.recent) / max(len(self.recent), 1)
 
-    def exceeded(self, max_rate:float) -> bool:
+    def exceeded(self, max_rate: float) -> bool:
         "Whether a full window of the latest rollouts failed more often than `max_rate`"
         return len(self.recent) == self.recent.maxlen and self.rate > max_rate
 
@@ -112,53 +146,83 @@ class Failures:
         return '\n\n'.join(f"{n} x {k}; the first: {self.first[k]}" for k, n in self.counts.most_common())
 
 # %% ../nbs/12_pool.ipynb #8c185d91
-async def _within(coro, seconds:float):
+async def _within(coro, seconds: float):
     "`await coro`, cancelled after `seconds` (None: never) with TimeoutError (asyncio.timeout where it exists: no extra task per rollout)"
-    if not hasattr(asyncio, 'timeout'): return await asyncio.wait_for(coro, seconds) # Python 3.10
-    async with asyncio.timeout(seconds): return await coro
+    if not hasattr(asyncio, 'timeout'):
+        return await asyncio.wait_for(coro, seconds)  # Python 3.10
+    async with asyncio.timeout(seconds):
+        return await coro
 
-def _traceback(e:BaseException) -> str:
+
+def _traceback(e: BaseException) -> str:
     "`e`'s traceback without this package's frames: the agent's own lines and the error are what its author can fix"
-    own = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(str(Path(molt_nb.__file__).parent))]
-    return ''.join((['Traceback (most recent call last):\n', *traceback.format_list(own)] if own else []) + traceback.format_exception_only(e))
+    own = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(str(Path(molt_nb.__file__).parent))
+    ]
+    return ''.join(
+        (['Traceback (most recent call last):\n', *traceback.format_list(own)] if own else [])
+        + traceback.format_exception_only(e)
+    )
 
-def _reason(e:BaseException) -> str:
+
+def _reason(e: BaseException) -> str:
     return 'timeout' if isinstance(e, (asyncio.TimeoutError, TimeoutError)) else f"error:{type(e).__name__}"
 
+
 @patch
-async def _rollout(self:Pool, index:int, j:int, task:dict) -> Trajectory|str:
+async def _rollout(self: Pool, index: int, j: int, task: dict) -> Trajectory | str:
     "Rollout j of group `index`: its trajectory, or the reason it failed"
     rid, gid = f"g{index}/r{j}", f"g{index}"
     for attempt in range(self.max_restarts + 1):
         engine = self.engine if self.record is None else Recorder(self.engine)
         try:
             trajectory = await _within(self.runner.run(engine, task, self.sampling, rid, gid, index), self.timeout_s)
-            if self.record is not None: self.record[rid] = engine.generations
+            if self.record is not None:
+                self.record[rid] = engine.generations
             self.failures.ok()
             return trajectory
-        except RolloutAborted: self.counters['restarted'] += 1
-        except asyncio.CancelledError: raise
+        except RolloutAborted:
+            self.counters['restarted'] += 1
+        except asyncio.CancelledError:
+            raise
         except Exception as e:
             timed_out = _reason(e) == 'timeout'
-            return self._failed(_reason(e), f"it ran longer than timeout_s={self.timeout_s:g} s" if timed_out else lambda: _traceback(e), rid)
+            return self._failed(
+                _reason(e),
+                f"it ran longer than timeout_s={self.timeout_s:g} s" if timed_out else lambda: _traceback(e),
+                rid,
+            )
     return self._failed('aborted', f"the engine aborted it {self.max_restarts + 1} times", rid)
 
+
 @patch
-def _failed(self:Pool, kind:str, detail, rollout_id:str) -> str:
+def _failed(self: Pool, kind: str, detail, rollout_id: str) -> str:
     "Record a failed rollout; past `max_failure_rate` of the agent's failures, stop `collect` with the first traceback of each kind"
-    agent = kind != 'aborted' # aborts are the engine's (pauses for weight sync), not the agent's: they never stop the run
+    agent = (
+        kind != 'aborted'
+    )  # aborts are the engine's (pauses for weight sync), not the agent's: they never stop the run
     self.failures.add(kind, detail, rollout_id, stop=agent)
-    if agent and self.failures.exceeded(self.max_failure_rate) and not any(isinstance(g, RunStopped) for g in self.ready):
+    if (
+        agent
+        and self.failures.exceeded(self.max_failure_rate)
+        and not any(isinstance(g, RunStopped) for g in self.ready)
+    ):
         f = self.failures
-        self.ready.appendleft(RunStopped(
-            f"{sum(f.recent)} of the latest {len(f.recent)} rollouts failed, more than rollout.max_failure_rate={self.max_failure_rate:g}, so the run stops. "
-            f"The first failure of each kind:\n\n{f.report()}\n\nFix the agent module (its Env.reset/step or reward), "
-            "or raise rollout.max_failure_rate (1: never stop) to train on the rollouts that succeed."))
+        self.ready.appendleft(
+            RunStopped(
+                f"{sum(f.recent)} of the latest {len(f.recent)} rollouts failed, more than rollout.max_failure_rate={self.max_failure_rate:g}, so the run stops. "
+                f"The first failure of each kind:\n\n{f.report()}\n\nFix the agent module (its Env.reset/step or reward), "
+                "or raise rollout.max_failure_rate (1: never stop) to train on the rollouts that succeed."
+            )
+        )
         self._wake.set()
     return kind
 
+
 @patch
-async def _group(self:Pool, index:int) -> Group:
+async def _group(self: Pool, index: int) -> Group:
     task = self.tasks[index % len(self.tasks)]
     outcomes = await asyncio.gather(*[self._rollout(index, j, task) for j in range(self.n_samples)])
     failures = collections.Counter(o for o in outcomes if isinstance(o, str))
@@ -166,48 +230,62 @@ async def _group(self:Pool, index:int) -> Group:
 
 # %% ../nbs/12_pool.ipynb #39898a38
 @patch
-def _launch(self:Pool):
+def _launch(self: Pool):
     index = self.pending.pop(0) if self.pending else self.position
-    if index == self.position: self.position += 1
+    if index == self.position:
+        self.position += 1
     task = asyncio.get_running_loop().create_task(self._group(index))
     self.in_flight[index] = task
     task.add_done_callback(lambda t, index=index: self._finished(index, t))
 
+
 @patch
-def _finished(self:Pool, index:int, task):
+def _finished(self: Pool, index: int, task):
     self.in_flight.pop(index, None)
-    if task.cancelled() or self._closed: return
-    if (e := task.exception()) is not None: # a bug in the pool itself, not in an agent: fail loudly
+    if task.cancelled() or self._closed:
+        return
+    if (e := task.exception()) is not None:  # a bug in the pool itself, not in an agent: fail loudly
         self.ready.append(e)
     else:
         g = task.result()
-        for reason, n in g.failures.items(): self.counters[f"rollouts/{reason}"] += n
+        for reason, n in g.failures.items():
+            self.counters[f"rollouts/{reason}"] += n
         self.counters['rollouts/ok'] += len(g.trajectories)
         self.ready.append(g)
     self._wake.set()
-    if self.streaming: self.top_up()
+    if self.streaming:
+        self.top_up()
+
 
 @patch
-def top_up(self:Pool, want:int|None=None):
+def top_up(self: Pool, want: int | None = None):
     "Launch groups until `want` (default `groups_in_flight`) are running or waiting"
     want = self.groups_in_flight if want is None else want
-    while not self._closed and len(self.in_flight) + len(self.ready) < want: self._launch()
+    while not self._closed and len(self.in_flight) + len(self.ready) < want:
+        self._launch()
 
 # %% ../nbs/12_pool.ipynb #d59a413f
 @patch
-def _rejection(self:Pool, g:Group, min_version:int|None) -> str|None:
+def _rejection(self: Pool, g: Group, min_version: int | None) -> str | None:
     "Why group `g` cannot train, or None"
-    if len(g.trajectories) < self.min_successes: return 'failed'
-    if min_version is not None and g.oldest_version < min_version: return 'stale'
-    if self.keep_range is None: return None
+    if len(g.trajectories) < self.min_successes:
+        return 'failed'
+    if min_version is not None and g.oldest_version < min_version:
+        return 'stale'
+    if self.keep_range is None:
+        return None
     why = group_drop_reason(g.scores, *self.keep_range, self.n_samples)  # the rule losses.group_filter applies
-    if why == 'incomplete': return 'incomplete'
+    if why == 'incomplete':
+        return 'incomplete'
     return None if why is None else 'filtered'
 
+
 @patch
-async def collect(self:Pool, k:int, # groups wanted
-                  min_version:int|None=None, # drop groups with a token sampled by an older policy
-                 ) -> list:
+async def collect(
+    self: Pool,
+    k: int,  # groups wanted
+    min_version: int | None = None,  # drop groups with a token sampled by an older policy
+) -> list:
     "The next `k` groups that can train (cancelled or stopped, the groups it took go back to `ready`, so `state()` keeps them)"
     out = []
     try:
@@ -217,33 +295,38 @@ async def collect(self:Pool, k:int, # groups wanted
                 self._wake.clear()
                 await self._wake.wait()
             g = self.ready.popleft()
-            if isinstance(g, BaseException): raise g
+            if isinstance(g, BaseException):
+                raise g
             if (why := self._rejection(g, min_version)) is not None:
                 self.counters[f"groups/{why}"] += 1
                 if self.record is not None:
-                    for t in g.trajectories: self.record.pop(t.rollout_id, None)
+                    for t in g.trajectories:
+                        self.record.pop(t.rollout_id, None)
                 continue
             self.counters['groups/ok'] += 1
             out.append(g)
     except BaseException:
         self.counters['groups/ok'] -= len(out)
-        self.ready.extendleft(reversed(out)) # first again, in their order
+        self.ready.extendleft(reversed(out))  # first again, in their order
         raise
-    if self.streaming: self.top_up()
+    if self.streaming:
+        self.top_up()
     return out
 
 # %% ../nbs/12_pool.ipynb #0addc0c9
 @patch
-def state(self:Pool) -> dict:
+def state(self: Pool) -> dict:
     "Data position and the positions in flight or waiting, for a checkpoint"
     waiting = [g.index for g in self.ready if isinstance(g, Group)]
     return dict(position=self.position, pending=sorted(self.pending + list(self.in_flight) + waiting))
 
+
 @patch
-async def close(self:Pool):
+async def close(self: Pool):
     "Cancel the groups in flight and wait for them to unwind"
     self._closed = True
     tasks = list(self.in_flight.values())
-    for t in tasks: t.cancel()
+    for t in tasks:
+        t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     self.in_flight.clear()

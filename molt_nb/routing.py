@@ -19,101 +19,154 @@ from .models import moe_gates
 @dataclass(frozen=True)
 class RoutingConfig:
     "How a MoE policy routes in training"
-    replay:bool=True # route each token to the experts the rollout chose (gate weights recomputed live)
-    freeze_router:bool=False # keep the routers' weights fixed (no gradient, no optimizer state)
-    compare:bool=False # with replay: also score the trained rows with live routing (one more forward, no gradient) to report what replay removed on the same tokens
+
+    replay: bool = True  # route each token to the experts the rollout chose (gate weights recomputed live)
+    freeze_router: bool = False  # keep the routers' weights fixed (no gradient, no optimizer state)
+    compare: bool = False  # with replay: also score the trained rows with live routing (one more forward, no gradient) to report what replay removed on the same tokens
 
     def __post_init__(self):
         for name in ('replay', 'freeze_router', 'compare'):
-            if not isinstance(getattr(self, name), bool): raise ValueError(f"RoutingConfig.{name} is {getattr(self, name)!r}, expected true or false")
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RoutingConfig.{name} is {getattr(self, name)!r}, expected true or false")
 
 # %% ../nbs/09_routing.ipynb #953db028
-def _where(mask:Tensor) -> tuple:
+def _where(mask: Tensor) -> tuple:
     "Index of the first True of `mask`"
     return tuple(int(i) for i in mask.nonzero()[0])
 
-def check_routes(routes:Tensor, # (B, T, layers, top_k) expert ids, -1 unknown
-                 attention_mask:Tensor, # (B, T) 1 on real tokens
-                 moe_layers:list, # global decoder-layer ids of the MoE layers
-                 num_layers:int, num_experts:int, top_k:int):
+
+def check_routes(
+    routes: Tensor,  # (B, T, layers, top_k) expert ids, -1 unknown
+    attention_mask: Tensor,  # (B, T) 1 on real tokens
+    moe_layers: list,  # global decoder-layer ids of the MoE layers
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+):
     "Raise a ValueError naming the shapes if `routes` cannot be the routes of this batch for this model"
     B, T = attention_mask.shape
     want = f"(B, T, layers, top_k) = ({B}, {T}, {num_layers}, {top_k})"
     if routes.ndim != 4 or tuple(routes.shape[:2]) != (B, T):
-        raise ValueError(f"routes have shape {tuple(routes.shape)} but the batch's tokens are (B, T) = ({B}, {T}): expected {want}, one row per token on the same axis as input_ids")
-    if routes.shape[2] != num_layers: raise ValueError(f"routes have {routes.shape[2]} layers (shape {tuple(routes.shape)}) but the model has {num_layers} decoder layers: expected {want}, indexed by global decoder-layer id")
-    if routes.shape[3] != top_k: raise ValueError(f"routes have top_k {routes.shape[3]} (shape {tuple(routes.shape)}) but the model routes each token to {top_k} experts: expected {want}")
+        raise ValueError(
+            f"routes have shape {tuple(routes.shape)} but the batch's tokens are (B, T) = ({B}, {T}): expected {want}, one row per token on the same axis as input_ids"
+        )
+    if routes.shape[2] != num_layers:
+        raise ValueError(
+            f"routes have {routes.shape[2]} layers (shape {tuple(routes.shape)}) but the model has {num_layers} decoder layers: expected {want}, indexed by global decoder-layer id"
+        )
+    if routes.shape[3] != top_k:
+        raise ValueError(
+            f"routes have top_k {routes.shape[3]} (shape {tuple(routes.shape)}) but the model routes each token to {top_k} experts: expected {want}"
+        )
     known = routes >= 0
-    if (bad := known & (routes >= num_experts)).any(): raise ValueError(f"routes name expert {int(routes[_where(bad)])} at (row, token, layer, slot) {_where(bad)}, but the model has {num_experts} experts")
-    if (bad := (routes < -1)).any(): raise ValueError(f"routes hold {int(routes[_where(bad)])} at {_where(bad)}: expert ids are >= 0 and -1 means unknown")
-    if (bad := known.any(-1).any(-1) & ~attention_mask.bool()).any(): raise ValueError(f"routes are known at padding (row, token) {_where(bad)} of a (B, T) = ({B}, {T}) batch: routes are shifted against the tokens (collate both with the same padding)")
+    if (bad := known & (routes >= num_experts)).any():
+        raise ValueError(
+            f"routes name expert {int(routes[_where(bad)])} at (row, token, layer, slot) {_where(bad)}, but the model has {num_experts} experts"
+        )
+    if (bad := (routes < -1)).any():
+        raise ValueError(
+            f"routes hold {int(routes[_where(bad)])} at {_where(bad)}: expert ids are >= 0 and -1 means unknown"
+        )
+    if (bad := known.any(-1).any(-1) & ~attention_mask.bool()).any():
+        raise ValueError(
+            f"routes are known at padding (row, token) {_where(bad)} of a (B, T) = ({B}, {T}) batch: routes are shifted against the tokens (collate both with the same padding)"
+        )
     dense = [i for i in range(num_layers) if i not in set(moe_layers)]
     if dense and (bad := known[:, :, dense]).any():
         r, t, j, s = _where(bad)
-        raise ValueError(f"routes are known at dense decoder layer {dense[j]} (row {r}, token {t}); the model's MoE layers are {list(moe_layers)}: routes are indexed by the wrong layer ids (column i must be decoder layer i)")
+        raise ValueError(
+            f"routes are known at dense decoder layer {dense[j]} (row {r}, token {t}); the model's MoE layers are {list(moe_layers)}: routes are indexed by the wrong layer ids (column i must be decoder layer i)"
+        )
     s = routes.sort(-1).values
-    if (bad := (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(): raise ValueError(f"routes repeat expert {int(s[..., 1:][_where(bad)])} within one token at (row, token, layer) {_where(bad)[:3]}: a token's top_k experts are distinct")
+    if (bad := (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any():
+        raise ValueError(
+            f"routes repeat expert {int(s[..., 1:][_where(bad)])} within one token at (row, token, layer) {_where(bad)[:3]}: a token's top_k experts are distinct"
+        )
 
 # %% ../nbs/09_routing.ipynb #b8defe25
 class RouteReplay:
     "Forward hooks on a MoE model's routers: record the live top-k and, while replaying, use given routes"
-    def __init__(self, model, # a transformers MoE causal LM (Qwen3-MoE routers)
-                 replay:bool=True): # substitute routes inside `replaying`; False only records
+
+    def __init__(
+        self,
+        model,  # a transformers MoE causal LM (Qwen3-MoE routers)
+        replay: bool = True,
+    ):  # substitute routes inside `replaying`; False only records
         self.gates = moe_gates(model)
-        if not self.gates: raise ValueError(f"{type(model).__name__} has no MoE layers: routing replay needs a mixture-of-experts model")
+        if not self.gates:
+            raise ValueError(
+                f"{type(model).__name__} has no MoE layers: routing replay needs a mixture-of-experts model"
+            )
         g = next(iter(self.gates.values()))
         self.num_layers, self.top_k, self.num_experts = len(model.model.layers), g.top_k, g.num_experts
         self.replay, self._routes, self.natural, self.used = replay, None, {}, {}
         self._handles = [gate.register_forward_hook(self._hook(i)) for i, gate in self.gates.items()]
 
-    def __repr__(self): return f"RouteReplay(replay={self.replay}, moe_layers={list(self.gates)}, layers={self.num_layers}, top_k={self.top_k}, experts={self.num_experts})"
+    def __repr__(self):
+        return f"RouteReplay(replay={self.replay}, moe_layers={list(self.gates)}, layers={self.num_layers}, top_k={self.top_k}, experts={self.num_experts})"
 
-    def check(self, routes:Tensor, attention_mask:Tensor):
+    def check(self, routes: Tensor, attention_mask: Tensor):
         "Raise if `routes` do not line up with a batch of `attention_mask` for this model"
         check_routes(routes, attention_mask, list(self.gates), self.num_layers, self.num_experts, self.top_k)
 
     @contextmanager
-    def replaying(self, routes:Tensor|None, # (B, T, layers, top_k) routes of the batch about to run; None: live routing
-                  attention_mask:Tensor): # (B, T) of that batch (routes are checked against it)
+    def replaying(
+        self,
+        routes: Tensor | None,  # (B, T, layers, top_k) routes of the batch about to run; None: live routing
+        attention_mask: Tensor,
+    ):  # (B, T) of that batch (routes are checked against it)
         "Run forwards inside this block with the batch's routes replayed (when `replay` is on)"
-        if routes is not None: self.check(routes, attention_mask)
+        if routes is not None:
+            self.check(routes, attention_mask)
         self._routes = None if routes is None else routes.reshape(-1, *routes.shape[2:]).long()
-        try: yield self
-        finally: self._routes = None
+        try:
+            yield self
+        finally:
+            self._routes = None
 
     def remove(self):
         "Take the hooks off the model"
-        for h in self._handles: h.remove()
+        for h in self._handles:
+            h.remove()
 
 # %% ../nbs/09_routing.ipynb #729747e4
-def _replayed(logits:Tensor, live:Tensor, weights:Tensor, routes:Tensor, renormalise:bool) -> tuple:
+def _replayed(logits: Tensor, live: Tensor, weights: Tensor, routes: Tensor, renormalise: bool) -> tuple:
     "(weights, ids) of one layer with `routes` (N, top_k) used where all k are known, the live choice elsewhere"
     known = (routes >= 0).all(-1, keepdim=True)
     ids = torch.where(known, routes, live)
     w = F.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
-    if renormalise: w = w / w.sum(-1, keepdim=True)
+    if renormalise:
+        w = w / w.sum(-1, keepdim=True)
     return torch.where(known, w.to(weights.dtype), weights), ids
 
+
 @patch_to(RouteReplay)
-def _hook(self, i:int):
+def _hook(self, i: int):
     "The forward hook of decoder layer `i`'s router"
+
     def hook(gate, inputs, out):
         logits, weights, ids = out
         self.natural[i] = ids.detach()
         if self.replay and self._routes is not None:
-            if len(self._routes) != len(ids): raise ValueError(f"layer {i}'s router saw {len(ids)} tokens but the replayed batch has {len(self._routes)}: run exactly the batch given to replaying()")
+            if len(self._routes) != len(ids):
+                raise ValueError(
+                    f"layer {i}'s router saw {len(ids)} tokens but the replayed batch has {len(self._routes)}: run exactly the batch given to replaying()"
+                )
             weights, ids = _replayed(logits, ids, weights, self._routes[:, i], gate.norm_topk_prob)
         self.used[i] = ids.detach()
         return logits, weights, ids
+
     return hook
 
+
 @patch_to(RouteReplay)
-def last(self, shape:tuple) -> tuple:
+def last(self, shape: tuple) -> tuple:
     "`(natural, used)` routes of the last forward as `(B, T, layers, top_k)` int16 (`shape` = (B, T)), -1 on dense layers"
     out = []
     for d in (self.natural, self.used):
         r = torch.full((*shape, self.num_layers, self.top_k), -1, dtype=torch.int16)
-        for i, ids in d.items(): r[:, :, i] = ids.view(*shape, -1)
+        for i, ids in d.items():
+            r[:, :, i] = ids.view(*shape, -1)
         out.append(r)
     return tuple(out)
 
@@ -122,31 +175,48 @@ def freeze_routers(model) -> int:
     "Stop gradient to every MoE router of `model` (`RoutingConfig.freeze_router`); the number of weights frozen"
     n = 0
     for gate in moe_gates(model).values():
-        for p in gate.parameters(): p.requires_grad_(False); n += p.numel()
+        for p in gate.parameters():
+            p.requires_grad_(False)
+            n += p.numel()
     return n
 
 # %% ../nbs/09_routing.ipynb #71d68abf
-def route_agreement(rollout:Tensor, # (..., layers, top_k) routes the rollout used, -1 unknown
-                    train:Tensor, # (..., layers, top_k) routes of the training forward, same tokens
-                    valid:Tensor|None=None, # (...) bool: tokens to count (default all)
-                   ) -> dict:
+def route_agreement(
+    rollout: Tensor,  # (..., layers, top_k) routes the rollout used, -1 unknown
+    train: Tensor,  # (..., layers, top_k) routes of the training forward, same tokens
+    valid: Tensor | None = None,  # (...) bool: tokens to count (default all)
+) -> dict:
     "Agreement of `train` with `rollout`: overall, per MoE layer (`L{i}`), and `flip_frac`; `tokens` counted"
-    if rollout.shape != train.shape: raise ValueError(f"route_agreement: rollout routes {tuple(rollout.shape)} and training routes {tuple(train.shape)} differ in shape")
-    known = (rollout >= 0).all(-1) # (..., layers)
-    if valid is not None: known = known & valid[..., None].bool()
-    same = (rollout.unsqueeze(-1) == train.unsqueeze(-2)).any(-1).float().mean(-1) # (..., layers) share of the rollout's experts kept
+    if rollout.shape != train.shape:
+        raise ValueError(
+            f"route_agreement: rollout routes {tuple(rollout.shape)} and training routes {tuple(train.shape)} differ in shape"
+        )
+    known = (rollout >= 0).all(-1)  # (..., layers)
+    if valid is not None:
+        known = known & valid[..., None].bool()
+    same = (
+        (rollout.unsqueeze(-1) == train.unsqueeze(-2)).any(-1).float().mean(-1)
+    )  # (..., layers) share of the rollout's experts kept
     per_layer, n_layer = (same * known).flatten(0, -2).sum(0), known.flatten(0, -2).sum(0)
     tokens = known.any(-1)
     flipped = (known & (same < 1)).any(-1)
-    if not tokens.any(): return dict(tokens=0)
-    return dict(agreement=float(per_layer.sum() / n_layer.sum()), flip_frac=float(flipped.sum() / tokens.sum()), tokens=int(tokens.sum()),
-                **{f"L{i}": float(per_layer[i] / n_layer[i]) for i in range(len(n_layer)) if n_layer[i]})
+    if not tokens.any():
+        return dict(tokens=0)
+    return dict(
+        agreement=float(per_layer.sum() / n_layer.sum()),
+        flip_frac=float(flipped.sum() / tokens.sum()),
+        tokens=int(tokens.sum()),
+        **{f"L{i}": float(per_layer[i] / n_layer[i]) for i in range(len(n_layer)) if n_layer[i]},
+    )
 
-def logprob_gap(train:Tensor, # (B, T) logprobs of the trainer's forward
-                behaviour:Tensor, # (B, T) logprobs the engine returned
-                mask:Tensor, # (B, T) bool: tokens to compare (sampled, on-policy)
-               ) -> dict:
+
+def logprob_gap(
+    train: Tensor,  # (B, T) logprobs of the trainer's forward
+    behaviour: Tensor,  # (B, T) logprobs the engine returned
+    mask: Tensor,  # (B, T) bool: tokens to compare (sampled, on-policy)
+) -> dict:
     "Mean and p99 of |train - behaviour| over `mask`; empty when no token is selected"
     gap = (train - behaviour).abs()[mask.bool()]
-    if not len(gap): return {}
+    if not len(gap):
+        return {}
     return dict(logp_gap_mean=float(gap.mean()), logp_gap_p99=float(torch.quantile(gap.double(), 0.99)))

@@ -37,37 +37,69 @@ del _second_layer, LIMITS, PATHS, UID, DENY, os, builtins
 exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__'})
 '''
 
+
 class SandboxUnavailable(RuntimeError):
     "The kernel isolation the sandbox needs is missing on this machine"
 
-_HINT = ("The sandbox runs model-written code under bubblewrap, in new user, PID, mount and network namespaces. "
-         "Install it (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora/RHEL: `dnf install bubblewrap`) and allow "
-         "unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`; Ubuntu 23.10+: "
-         "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap; in Docker, run "
-         "the container with `--security-opt seccomp=unconfined --security-opt apparmor=unconfined`). To run the code "
-         "without kernel isolation anyway (it can then read the runner's files and reach its network), pass unsafe=True.")
+
+_HINT = (
+    "The sandbox runs model-written code under bubblewrap, in new user, PID, mount and network namespaces. "
+    "Install it (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora/RHEL: `dnf install bubblewrap`) and allow "
+    "unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`; Ubuntu 23.10+: "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile for bwrap; in Docker, run "
+    "the container with `--security-opt seccomp=unconfined --security-opt apparmor=unconfined`). To run the code "
+    "without kernel isolation anyway (it can then read the runner's files and reach its network), pass unsafe=True."
+)
 
 # %% ../nbs/06_tools.ipynb #a98fc954
 def _interpreter() -> tuple:
     "(the real interpreter binary, its prefix): the sandbox runs the base interpreter, never a virtualenv's packages"
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
 
-def _view(binds:tuple) -> list:
+
+def _view(binds: tuple) -> list:
     "bwrap arguments of a read-only view of the system's programs and libraries, the interpreter and `binds`: nothing else"
     args = ['--ro-bind', '/usr', '/usr']
     for d in ('/bin', '/sbin', '/lib', '/lib32', '/lib64', '/libx32'):
-        if os.path.islink(d): args += ['--symlink', os.readlink(d), d]
-        elif os.path.isdir(d): args += ['--ro-bind', d, d]
-    for f in ('/etc/ld.so.cache', '/etc/localtime'): args += ['--ro-bind-try', f, f]
+        if os.path.islink(d):
+            args += ['--symlink', os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ['--ro-bind', d, d]
+    for f in ('/etc/ld.so.cache', '/etc/localtime'):
+        args += ['--ro-bind-try', f, f]
     for p in (_interpreter()[1], *binds):
-        if p.startswith('/usr/'): continue
-        parents = [str(a) for a in reversed(Path(p).parents) if str(a) not in ('/', '/tmp')]  # /tmp is already the scratch tmpfs
-        args += [x for a in parents for x in ('--perms', '0755', '--dir', a)] + ['--ro-bind', p, p]  # e.g. /root, which is 0700
+        if p.startswith('/usr/'):
+            continue
+        parents = [
+            str(a) for a in reversed(Path(p).parents) if str(a) not in ('/', '/tmp')
+        ]  # /tmp is already the scratch tmpfs
+        args += [x for a in parents for x in ('--perms', '0755', '--dir', a)] + [
+            '--ro-bind',
+            p,
+            p,
+        ]  # e.g. /root, which is 0700
     return args
 
+
 _ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socketpair, and those refused outright
-    'x86_64': (0xC000003E, 56, 272, 41, 53, dict(clone3=435, io_uring=(425, 426, 427), keys=(248, 249, 250), userfaultfd=323)),
-    'aarch64': (0xC00000B7, 220, 97, 198, 199, dict(clone3=435, io_uring=(425, 426, 427), keys=(217, 218, 219), userfaultfd=282))}
+    'x86_64': (
+        0xC000003E,
+        56,
+        272,
+        41,
+        53,
+        dict(clone3=435, io_uring=(425, 426, 427), keys=(248, 249, 250), userfaultfd=323),
+    ),
+    'aarch64': (
+        0xC00000B7,
+        220,
+        97,
+        198,
+        199,
+        dict(clone3=435, io_uring=(425, 426, 427), keys=(217, 218, 219), userfaultfd=282),
+    ),
+}
+
 
 def _filter() -> bytes:
     """A seccomp program (classic BPF) closing what the namespaces leave open: new user namespaces (unshare/clone with
@@ -77,190 +109,370 @@ def _filter() -> bytes:
     arch, clone, unshare, socket, socketpair, refused = _ABI[platform.machine()]
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     returns = dict(allow=0x7FFF0000, eperm=0x50000 | 1, enosys=0x50000 | 38, eafnosupport=0x50000 | 97)
-    prog = [(LD, 4), (JEQ, arch, 0, 'eperm'), (LD, 0), (JGE, 0x40000000, 'eperm', 0),
-            *[(JEQ, nr, 'enosys', 0) for v in refused.values() for nr in (v if isinstance(v, tuple) else (v,))],
-            (JEQ, clone, 'flags', 0), (JEQ, unshare, 'flags', 0), (JEQ, socket, 'family', 0), (JEQ, socketpair, 'pair', 0), (RET, returns['allow']),
-            'flags', (LD, 16), (JSET, 0x10000000, 'eperm', 'allow'),  # CLONE_NEWUSER in the first argument
-            'family', (LD, 16), *[(JEQ, f, 'allow', 0) for f in (1, 2, 10)], (JEQ, 16, 'allow', 'eafnosupport'),  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
-            'pair', (LD, 16), (JEQ, 1, 'allow', 'eafnosupport'),
-            *[x for name, k in returns.items() for x in (name, (RET, k))]]
+    prog = [
+        (LD, 4),
+        (JEQ, arch, 0, 'eperm'),
+        (LD, 0),
+        (JGE, 0x40000000, 'eperm', 0),
+        *[(JEQ, nr, 'enosys', 0) for v in refused.values() for nr in (v if isinstance(v, tuple) else (v,))],
+        (JEQ, clone, 'flags', 0),
+        (JEQ, unshare, 'flags', 0),
+        (JEQ, socket, 'family', 0),
+        (JEQ, socketpair, 'pair', 0),
+        (RET, returns['allow']),
+        'flags',
+        (LD, 16),
+        (JSET, 0x10000000, 'eperm', 'allow'),  # CLONE_NEWUSER in the first argument
+        'family',
+        (LD, 16),
+        *[(JEQ, f, 'allow', 0) for f in (1, 2, 10)],
+        (JEQ, 16, 'allow', 'eafnosupport'),  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+        'pair',
+        (LD, 16),
+        (JEQ, 1, 'allow', 'eafnosupport'),
+        *[x for name, k in returns.items() for x in (name, (RET, k))],
+    ]
     where, n = {}, 0
     for x in prog:
-        if isinstance(x, str): where[x] = n
-        else: n += 1
+        if isinstance(x, str):
+            where[x] = n
+        else:
+            n += 1
     out, i = [], 0
     for x in prog:
-        if isinstance(x, str): continue
+        if isinstance(x, str):
+            continue
         code, k, jt, jf = (*x, 0, 0)[:4]
         out.append(struct.pack('HBBI', code, *(where[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf)), k))
         i += 1
     return b''.join(out)
 
+
 def _seccomp_fd() -> int:
     "A file descriptor holding `_filter` for bwrap's --seccomp (the caller closes it)"
     fd = os.memfd_create('molt-seccomp')
-    os.write(fd, _filter()); os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, _filter())
+    os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
-def _isolation(seccomp_fd:int, binds:tuple=(), scratch_mb:int=16) -> list:
+
+def _isolation(seccomp_fd: int, binds: tuple = (), scratch_mb: int = 16) -> list:
     """bwrap's options: new PID, mount, network, IPC and UTS namespaces, no new user namespaces, an empty environment,
     writable only /tmp and a 1 MiB /dev/shm (in a user namespace / and /dev would be the code's own, unbounded tmpfs).
     Run by an ordinary user, bwrap also makes a user namespace in which the code is uid 65534 without capabilities. Run
     by root, that would leave the code's processes root outside (exempt from RLIMIT_NPROC): bwrap keeps only the
     capability to change uid, and the code's first act is to drop to a uid of its own (see `_BOOT`)."""
-    user = (['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID'] if os.geteuid() == 0 else
-            ['--unshare-user', '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534'])
-    return ['--unshare-pid', '--unshare-net', '--unshare-ipc', '--unshare-uts', '--unshare-cgroup-try', *user, '--seccomp', str(seccomp_fd),
-            '--die-with-parent', '--new-session', '--proc', '/proc', '--dev', '/dev', '--perms', '1777', '--size', str(scratch_mb * 2**20),
-            '--tmpfs', '/tmp', '--perms', '1777', '--size', str(2**20), '--tmpfs', '/dev/shm',
-            *_view(binds), '--remount-ro', '/dev', '--remount-ro', '/', '--chdir', '/tmp', '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/tmp', '--setenv', 'LANG', 'C.UTF-8']
+    user = (
+        ['--cap-drop', 'ALL', '--cap-add', 'CAP_SETUID', '--cap-add', 'CAP_SETGID']
+        if os.geteuid() == 0
+        else ['--unshare-user', '--disable-userns', '--cap-drop', 'ALL', '--uid', '65534', '--gid', '65534']
+    )
+    return [
+        '--unshare-pid',
+        '--unshare-net',
+        '--unshare-ipc',
+        '--unshare-uts',
+        '--unshare-cgroup-try',
+        *user,
+        '--seccomp',
+        str(seccomp_fd),
+        '--die-with-parent',
+        '--new-session',
+        '--proc',
+        '/proc',
+        '--dev',
+        '/dev',
+        '--perms',
+        '1777',
+        '--size',
+        str(scratch_mb * 2**20),
+        '--tmpfs',
+        '/tmp',
+        '--perms',
+        '1777',
+        '--size',
+        str(2**20),
+        '--tmpfs',
+        '/dev/shm',
+        *_view(binds),
+        '--remount-ro',
+        '/dev',
+        '--remount-ro',
+        '/',
+        '--chdir',
+        '/tmp',
+        '--clearenv',
+        '--setenv',
+        'PATH',
+        '/usr/bin:/bin',
+        '--setenv',
+        'HOME',
+        '/tmp',
+        '--setenv',
+        'LANG',
+        'C.UTF-8',
+    ]
+
 
 @cache
-def _bwrap(exe:str|None=None) -> str:
+def _bwrap(exe: str | None = None) -> str:
     "The bwrap binary, once checked that it builds the sandbox here; `SandboxUnavailable` says what to enable"
-    if sys.platform != 'linux': raise SandboxUnavailable(f"the sandbox needs Linux namespaces (this is {sys.platform}): run the tool in a Linux machine or container. {_HINT}")
+    if sys.platform != 'linux':
+        raise SandboxUnavailable(
+            f"the sandbox needs Linux namespaces (this is {sys.platform}): run the tool in a Linux machine or container. {_HINT}"
+        )
     path = shutil.which(exe or 'bwrap')
-    if path is None: raise SandboxUnavailable(f"bubblewrap (`{exe or 'bwrap'}`) is not installed or not on PATH. {_HINT}")
+    if path is None:
+        raise SandboxUnavailable(f"bubblewrap (`{exe or 'bwrap'}`) is not installed or not on PATH. {_HINT}")
     fd = _seccomp_fd()
-    try: r = subprocess.run([path, *_isolation(fd), _interpreter()[0], '-I', '-c', 'pass'], capture_output=True, text=True, timeout=30, env={'PATH': '/usr/bin:/bin'}, pass_fds=(fd,))
-    finally: os.close(fd)
-    if r.returncode != 0: raise SandboxUnavailable(f"bubblewrap could not build the sandbox here ({r.stderr.strip() or f'exit code {r.returncode}'}). {_HINT}")
+    try:
+        r = subprocess.run(
+            [path, *_isolation(fd), _interpreter()[0], '-I', '-c', 'pass'],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={'PATH': '/usr/bin:/bin'},
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
+    if r.returncode != 0:
+        raise SandboxUnavailable(
+            f"bubblewrap could not build the sandbox here ({r.stderr.strip() or f'exit code {r.returncode}'}). {_HINT}"
+        )
     return path
+
 
 @cache
 def _undumpable():
     "Mark this process undumpable: no process of its user, a sandboxed one included, may read its memory or trace it"
-    with contextlib.suppress(OSError, AttributeError): ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 # %% ../nbs/06_tools.ipynb #2c85174d
 @dataclass(frozen=True)
 class Sandbox:
     "How model-written Python runs: its limits and isolation (`await Sandbox().run(code)` is the tool's answer)"
-    timeout_s:float=5.0 # wall-clock limit for all its processes together
-    memory_mb:int=256 # address space of each process
-    max_output:int=2000 # characters of stdout and stderr kept (more is counted and dropped; past 1 MiB it is stopped)
-    max_processes:int=16 # processes and threads it may run at once
-    file_mb:int=1 # largest file it may write
-    scratch_mb:int=16 # size of its private, writable /tmp (its working directory, in memory)
-    binds:tuple=() # extra read-only paths, also site directories on sys.path (e.g. a site-packages with numpy)
-    unsafe:bool=False # no kernel isolation, only limits and the audit hook: an explicit opt-in
-    bwrap:str|None=None # the bubblewrap binary (default: `bwrap` on PATH)
+
+    timeout_s: float = 5.0  # wall-clock limit for all its processes together
+    memory_mb: int = 256  # address space of each process
+    max_output: int = (
+        2000  # characters of stdout and stderr kept (more is counted and dropped; past 1 MiB it is stopped)
+    )
+    max_processes: int = 16  # processes and threads it may run at once
+    file_mb: int = 1  # largest file it may write
+    scratch_mb: int = 16  # size of its private, writable /tmp (its working directory, in memory)
+    binds: tuple = ()  # extra read-only paths, also site directories on sys.path (e.g. a site-packages with numpy)
+    unsafe: bool = False  # no kernel isolation, only limits and the audit hook: an explicit opt-in
+    bwrap: str | None = None  # the bubblewrap binary (default: `bwrap` on PATH)
 
     def __post_init__(self):
         for name in ('timeout_s', 'memory_mb', 'max_output', 'max_processes', 'file_mb', 'scratch_mb'):
-            if not getattr(self, name) > 0: raise ValueError(f"Sandbox.{name} is {getattr(self, name)!r}: it must be positive")
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Sandbox.{name} is {getattr(self, name)!r}: it must be positive")
         bad = [p for p in self.binds if not (os.path.isabs(p) and os.path.exists(p))]
-        if bad: raise ValueError(f"Sandbox.binds has {bad}: give existing absolute paths")
+        if bad:
+            raise ValueError(f"Sandbox.binds has {bad}: give existing absolute paths")
+
 
 @patch
-def command(self:Sandbox, status_fd:int|None=None, seccomp_fd:int|None=None) -> list:
+def command(self: Sandbox, status_fd: int | None = None, seccomp_fd: int | None = None) -> list:
     "The command line of one run: the interpreter under bwrap (status written to `status_fd`, seccomp program read from `seccomp_fd`), or alone when unsafe"
-    limits = dict(RLIMIT_AS=self.memory_mb * 2**20, RLIMIT_CPU=int(self.timeout_s) + 1, RLIMIT_FSIZE=self.file_mb * 2**20,
-                  RLIMIT_NOFILE=64, RLIMIT_CORE=0)
-    if not self.unsafe: limits['RLIMIT_NPROC'] = self.max_processes  # counted per user namespace; unsafe, it would count all of the user's
+    limits = dict(
+        RLIMIT_AS=self.memory_mb * 2**20,
+        RLIMIT_CPU=int(self.timeout_s) + 1,
+        RLIMIT_FSIZE=self.file_mb * 2**20,
+        RLIMIT_NOFILE=64,
+        RLIMIT_CORE=0,
+    )
+    if not self.unsafe:
+        limits['RLIMIT_NPROC'] = (
+            self.max_processes
+        )  # counted per user namespace; unsafe, it would count all of the user's
     binds = [os.path.realpath(p) for p in self.binds]
-    uid = 2**31 + secrets.randbelow(2**31 - 2) if os.geteuid() == 0 and not self.unsafe else None  # its own, so NPROC counts this run only
-    deny = ('socket.', 'subprocess.', 'os.system', 'os.exec', 'os.posix_spawn', 'os.spawn', 'os.fork', 'os.forkpty', 'pty.', 'os.kill', 'os.killpg')
-    if self.unsafe: deny += ('ctypes.',)  # under the kernel's isolation native code is bounded too (and numpy needs ctypes)
-    python = [_interpreter()[0], '-I', '-S', '-u', '-X', 'utf8', '-c', f"LIMITS = {limits!r}\nPATHS = {binds!r}\nUID = {uid!r}\nDENY = {deny!r}\n{_BOOT}"]
-    if self.unsafe: return python
-    return [_bwrap(self.bwrap), *_isolation(seccomp_fd, tuple(binds), self.scratch_mb), '--json-status-fd', str(status_fd), *python]
+    uid = (
+        2**31 + secrets.randbelow(2**31 - 2) if os.geteuid() == 0 and not self.unsafe else None
+    )  # its own, so NPROC counts this run only
+    deny = (
+        'socket.',
+        'subprocess.',
+        'os.system',
+        'os.exec',
+        'os.posix_spawn',
+        'os.spawn',
+        'os.fork',
+        'os.forkpty',
+        'pty.',
+        'os.kill',
+        'os.killpg',
+    )
+    if self.unsafe:
+        deny += ('ctypes.',)  # under the kernel's isolation native code is bounded too (and numpy needs ctypes)
+    python = [
+        _interpreter()[0],
+        '-I',
+        '-S',
+        '-u',
+        '-X',
+        'utf8',
+        '-c',
+        f"LIMITS = {limits!r}\nPATHS = {binds!r}\nUID = {uid!r}\nDENY = {deny!r}\n{_BOOT}",
+    ]
+    if self.unsafe:
+        return python
+    return [
+        _bwrap(self.bwrap),
+        *_isolation(seccomp_fd, tuple(binds), self.scratch_mb),
+        '--json-status-fd',
+        str(status_fd),
+        *python,
+    ]
 
 # %% ../nbs/06_tools.ipynb #4f4a632d
 class _Output:
     "What a run printed: the first `keep` characters, how many came, and whether more than `stop` bytes came"
-    def __init__(self, keep:int, stop:int): self.keep, self.stop, self.head, self.chars, self.bytes = keep, stop, [], 0, 0
+
+    def __init__(self, keep: int, stop: int):
+        self.keep, self.stop, self.head, self.chars, self.bytes = keep, stop, [], 0, 0
+
     async def read(self, stream):
         "Read until the end or past `stop` bytes: the memory held stays under `keep` characters plus one chunk"
         decoder = codecs.getincrementaldecoder('utf-8')('replace')
         while self.bytes <= self.stop:
             chunk = await stream.read(2**16)
             text = decoder.decode(chunk, final=not chunk)
-            if self.chars < self.keep: self.head.append(text[:self.keep - self.chars])
+            if self.chars < self.keep:
+                self.head.append(text[: self.keep - self.chars])
             self.chars, self.bytes = self.chars + len(text), self.bytes + len(chunk)
-            if not chunk: return
+            if not chunk:
+                return
+
     def __str__(self):
         text = ''.join(self.head)
-        if self.bytes > self.stop: return text + f"\n... (the output passed {self.stop} bytes: the program was stopped)"
+        if self.bytes > self.stop:
+            return text + f"\n... (the output passed {self.stop} bytes: the program was stopped)"
         return text + (f"\n... ({self.chars - self.keep} more characters cut)" if self.chars > self.keep else '')
 
-async def _init(pipe, parent:int) -> tuple:
+
+async def _init(pipe, parent: int) -> tuple:
     """(a pidfd of the sandbox's init or None, the status pipe's transport): bwrap writes the init's host pid on
     `--json-status-fd` (checked to be `parent`'s child); the pipe stays open until the run ends (bwrap writes its exit there)"""
     reader = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    try: pid = json.loads(await reader.readline())['child-pid']
-    except (ValueError, KeyError): return None, transport
-    try: pidfd = os.pidfd_open(pid)
-    except OSError: return None, transport  # already gone
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), pipe
+    )
     try:
-        with open(f"/proc/{pid}/stat") as f: ppid = int(f.read().rsplit(')', 1)[1].split()[1])
-    except (OSError, ValueError, IndexError): ppid = None
-    if ppid == parent: return pidfd, transport
+        pid = json.loads(await reader.readline())['child-pid']
+    except (ValueError, KeyError):
+        return None, transport
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None, transport  # already gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(')', 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = None
+    if ppid == parent:
+        return pidfd, transport
     os.close(pidfd)  # gone, and its pid reused
     return None, transport
 
-async def _drain(stream):
-    while await stream.read(2**16): pass
 
-async def _end(proc, leader:int, init, grace:float):
+async def _drain(stream):
+    while await stream.read(2**16):
+        pass
+
+
+async def _end(proc, leader: int, init, grace: float):
     """Wait `grace` s for the run to end, then kill it (by pidfd, never by a number that may have been reused): under
     bwrap, the sandbox's init, whose death makes the kernel kill every process of its PID namespace before bwrap exits
     (or bwrap itself, whose death kills the init); unsafe, the process group while its leader lives. Then wait until it
     is all gone, reading and dropping what is left of the output (a pipe not read to its end never reports the exit)."""
-    status = init.result() if init is not None and init.done() and not init.cancelled() and init.exception() is None else (None, None)
-    if init is not None and not init.done(): init.cancel()
+    status = (
+        init.result()
+        if init is not None and init.done() and not init.cancelled() and init.exception() is None
+        else (None, None)
+    )
+    if init is not None and not init.done():
+        init.cancel()
     try:
-        try: await asyncio.wait_for(proc.wait(), grace)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
         except asyncio.TimeoutError:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if init is None and proc.returncode is None: os.killpg(proc.pid, signal.SIGKILL)
+                if init is None and proc.returncode is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
                 signal.pidfd_send_signal(status[0] if status[0] is not None else leader, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(_drain(proc.stdout), proc.wait()), 10)
     finally:
         for fd in (status[0], leader):
-            if fd is not None: os.close(fd)
-        if status[1] is not None: status[1].close()
-        with contextlib.suppress(AttributeError): proc._transport.close()  # the pipes now, not at garbage collection
+            if fd is not None:
+                os.close(fd)
+        if status[1] is not None:
+            status[1].close()
+        with contextlib.suppress(AttributeError):
+            proc._transport.close()  # the pipes now, not at garbage collection
 
 # %% ../nbs/06_tools.ipynb #80dd6252
 @patch
-async def run(self:Sandbox, code:str) -> str:
+async def run(self: Sandbox, code: str) -> str:
     "Run `code`: what it printed (stdout and stderr, cut at `max_output` characters), then why it stopped, if it was"
     _undumpable()
     data = code.encode(errors='replace')
-    if len(data) > 2**20: return f"error: the code is {len(data)} bytes; the sandbox takes at most 1 MiB"
-    if not self.unsafe: await asyncio.to_thread(_bwrap, self.bwrap)  # checked once per process, off the event loop
+    if len(data) > 2**20:
+        return f"error: the code is {len(data)} bytes; the sandbox takes at most 1 MiB"
+    if not self.unsafe:
+        await asyncio.to_thread(_bwrap, self.bwrap)  # checked once per process, off the event loop
     r, w = (None, None) if self.unsafe else os.pipe()
     seccomp = None if self.unsafe else _seccomp_fd()
     try:
         with tempfile.TemporaryDirectory(prefix='molt-tool-') as cwd:  # the unsafe run's working directory
-            proc = await asyncio.create_subprocess_exec(*self.command(w, seccomp), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                        stderr=subprocess.STDOUT, cwd=cwd, env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'},
-                                                        start_new_session=True, pass_fds=() if self.unsafe else (w, seccomp))
+            proc = await asyncio.create_subprocess_exec(
+                *self.command(w, seccomp),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env={'PATH': '/usr/bin:/bin', 'LANG': 'C.UTF-8'},
+                start_new_session=True,
+                pass_fds=() if self.unsafe else (w, seccomp),
+            )
             leader = os.pidfd_open(proc.pid)  # not reaped yet: this is our child
-            if w is not None: os.close(w); w = None
+            if w is not None:
+                os.close(w)
+                w = None
             init = None if r is None else asyncio.ensure_future(_init(os.fdopen(r, 'rb', 0), proc.pid))
             r, out, late, ended = None, _Output(self.max_output, max(2**20, 8 * self.max_output)), '', False
+
             async def feed_and_read():
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    proc.stdin.write(data); await proc.stdin.drain(); proc.stdin.close()
+                    proc.stdin.write(data)
+                    await proc.stdin.drain()
+                    proc.stdin.close()
                 await out.read(proc.stdout)
+
             try:
                 await asyncio.wait_for(feed_and_read(), self.timeout_s)
                 ended = out.bytes <= out.stop  # the output's end: the program is exiting
-            except asyncio.TimeoutError: late = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
-            finally: await _end(proc, leader, init, 2 if ended else 0)
+            except asyncio.TimeoutError:
+                late = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
+            finally:
+                await _end(proc, leader, init, 2 if ended else 0)
     finally:
         for fd in (r, w, seccomp):
-            if fd is not None: os.close(fd)
+            if fd is not None:
+                os.close(fd)
     return f"{out}\n{late}" if late and out.chars else late or str(out)
 
-async def run_python(code:str, # the program (what it prints is the tool's answer)
-                     timeout_s:float=5.0, # wall-clock limit for all its processes
-                     memory_mb:int=256, # address-space limit of each process
-                     max_output:int=2000, # characters of output kept
-                     **options, # other `Sandbox` settings: max_processes, file_mb, scratch_mb, binds, unsafe, bwrap
-                    ) -> str:
+
+async def run_python(
+    code: str,  # the program (what it prints is the tool's answer)
+    timeout_s: float = 5.0,  # wall-clock limit for all its processes
+    memory_mb: int = 256,  # address-space limit of each process
+    max_output: int = 2000,  # characters of output kept
+    **options,  # other `Sandbox` settings: max_processes, file_mb, scratch_mb, binds, unsafe, bwrap
+) -> str:
     "Run `code` in a `Sandbox`: what it printed, or why it was stopped"
     return await Sandbox(timeout_s, memory_mb, max_output, **options).run(code)

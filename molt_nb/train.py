@@ -22,23 +22,32 @@ from .config import RunConfig, build_policy, load_config
 from .loop import RecipeError, RecipeParts, RunStore, evaluate, launch, recipe_parts
 
 # %% ../nbs/14_train.ipynb #38d722b9
-def demo_rows(tokenizer, pairs:list) -> tuple:
+def demo_rows(tokenizer, pairs: list) -> tuple:
     "(ids, labels) of (prompt, completion) pairs, right-padded; labels are -100 on the prompt and padding"
     rows = [(encode(tokenizer, p), encode(tokenizer, c)) for p, c in pairs]
     T = max(len(p) + len(c) for p, c in rows)
     ids, labels = torch.zeros(len(rows), T, dtype=torch.long), torch.full((len(rows), T), -100)
     for i, (p, c) in enumerate(rows):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
     return ids, labels
 
-def supervised(model, ids, labels, # the model (trained in place) and `demo_rows` output
-               steps:int|None=None, seconds:float|None=None, # stop after this many steps or this much time
-               lr:float=1e-3, batch_size:int=64, weight_decay:float=0.01, seed:int=0,
-               on_step=None, # called as on_step(step, seconds) after each step
-              ) -> float:
+
+def supervised(
+    model,
+    ids,
+    labels,  # the model (trained in place) and `demo_rows` output
+    steps: int | None = None,
+    seconds: float | None = None,  # stop after this many steps or this much time
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+    on_step=None,  # called as on_step(step, seconds) after each step
+) -> float:
     "Train on random batches of the demos; the last loss"
-    if steps is None and seconds is None: raise ValueError("supervised: give steps or seconds")
+    if steps is None and seconds is None:
+        raise ValueError("supervised: give steps or seconds")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
     g, start, step, loss = torch.Generator().manual_seed(seed), time.perf_counter(), 0, math.nan
     model.train()
@@ -46,93 +55,152 @@ def supervised(model, ids, labels, # the model (trained in place) and `demo_rows
         idx = torch.randint(len(ids), (batch_size,), generator=g)
         logits = model(input_ids=ids[idx]).logits[:, :-1]
         loss = F.cross_entropy(logits.float().transpose(1, 2), labels[idx][:, 1:])
-        loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
         step += 1
-        if on_step is not None: on_step(step, time.perf_counter() - start)
+        if on_step is not None:
+            on_step(step, time.perf_counter() - start)
     return float(loss.detach()) if torch.is_tensor(loss) else loss
 
 # %% ../nbs/14_train.ipynb #195169da
 def run_sync(coro):
     "Run a coroutine to completion from sync code, also where an event loop is already running (a notebook)"
-    try: asyncio.get_running_loop()
-    except RuntimeError: return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool: return pool.submit(asyncio.run, coro).result()
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
-def held_out(model, cfg:RunConfig, tokenizer) -> float:
+
+def held_out(model, cfg: RunConfig, tokenizer) -> float:
     "Mean greedy reward of `model` on the recipe's eval tasks"
     engine = TorchEngine(copy.deepcopy(model).eval(), seed=cfg.loop.seed, threads=torch.get_num_threads())
     parts = recipe_parts(cfg, tokenizer)
-    try: return run_sync(evaluate(parts.runner, engine, parts.eval_tasks, parts.sampling, cfg.rollout.timeout_s)) # a hanging Env fails, not hangs
-    finally: engine.close()
+    try:
+        return run_sync(
+            evaluate(parts.runner, engine, parts.eval_tasks, parts.sampling, cfg.rollout.timeout_s)
+        )  # a hanging Env fails, not hangs
+    finally:
+        engine.close()
 
 # %% ../nbs/14_train.ipynb #c1ec0002
-def _check_demos(module, cfg:RunConfig, where:str):
+def _check_demos(module, cfg: RunConfig, where: str):
     "Raise `RecipeError` unless `demos(n, seed)` gives (prompt, completion) text pairs"
     n, seed, demos = cfg.warm_start.demos, cfg.loop.seed, getattr(module, 'demos', None)
-    if not callable(demos): raise RecipeError(f"warm_start.demos={n} but {where} has no demos(n, seed): add one returning n (prompt, completion) text pairs, or set warm_start.demos=0")
-    try: pairs = demos(n, seed)
-    except Exception as e: raise RecipeError(f"demos({n}, {seed}) in {where} raised {type(e).__name__}: {e}") from e
+    if not callable(demos):
+        raise RecipeError(
+            f"warm_start.demos={n} but {where} has no demos(n, seed): add one returning n (prompt, completion) text pairs, or set warm_start.demos=0"
+        )
+    try:
+        pairs = demos(n, seed)
+    except Exception as e:
+        raise RecipeError(f"demos({n}, {seed}) in {where} raised {type(e).__name__}: {e}") from e
     pair = lambda p: isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(s, str) for s in p)
     if not (isinstance(pairs, (list, tuple)) and pairs and all(map(pair, pairs))):
-        raise RecipeError(f"demos({n}, {seed}) in {where} returned {_shown(pairs)}, expected a non-empty list of (prompt, completion) string pairs")
+        raise RecipeError(
+            f"demos({n}, {seed}) in {where} returned {_shown(pairs)}, expected a non-empty list of (prompt, completion) string pairs"
+        )
 
-def _stand_in(cfg:RunConfig) -> tuple:
+
+def _stand_in(cfg: RunConfig) -> tuple:
     "(model, tokenizer) to check a recipe with: the run's policy when built in code, else a tiny model with the checkpoint's tokenizer"
-    if cfg.model.path is None: return build_policy(cfg)
+    if cfg.model.path is None:
+        return build_policy(cfg)
     tok = transformers.AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
     return build_model(TinyConfig(vocab_size=len(tok), max_position=32768), tok), tok
 
 # %% ../nbs/14_train.ipynb #c1ec0003
-def check_recipe(cfg:RunConfig, seconds:float=20.) -> RecipeParts:
+def check_recipe(cfg: RunConfig, seconds: float = 20.0) -> RecipeParts:
     "Check the recipe's agent module: its exports, tasks, demos, one train and one eval rollout; raise `RecipeError` saying what to fix"
     where = repr(str(cfg.agent_path))
-    try: module = _module(cfg.agent_path)
-    except (ImportError, FileNotFoundError) as e: raise RecipeError(str(e)) from e
-    if cfg.warm_start.demos: _check_demos(module, cfg, where)
+    try:
+        module = _module(cfg.agent_path)
+    except (ImportError, FileNotFoundError) as e:
+        raise RecipeError(str(e)) from e
+    if cfg.warm_start.demos:
+        _check_demos(module, cfg, where)
     model, tok = _stand_in(cfg)
-    try: parts = recipe_parts(cfg, tok)
-    except (AttributeError, TypeError) as e: raise RecipeError(str(e)) from e
+    try:
+        parts = recipe_parts(cfg, tok)
+    except (AttributeError, TypeError) as e:
+        raise RecipeError(str(e)) from e
     tasks = [('train', parts.train_tasks[0]), *(('eval', t) for t in parts.eval_tasks[:1])]
     seconds, engine = min(seconds, cfg.rollout.timeout_s), TorchEngine(model, seed=cfg.loop.seed)
-    async def one(i, task): return await _within(parts.runner.run(engine, task, parts.sampling, f"check{i}", f"check{i}", 0), seconds)
-    async def both(): return await asyncio.gather(*[one(i, t) for i, (_, t) in enumerate(tasks)], return_exceptions=True)
-    try: outcomes = run_sync(both())
-    finally: engine.close()
+
+    async def one(i, task):
+        return await _within(parts.runner.run(engine, task, parts.sampling, f"check{i}", f"check{i}", 0), seconds)
+
+    async def both():
+        return await asyncio.gather(*[one(i, t) for i, (_, t) in enumerate(tasks)], return_exceptions=True)
+
+    try:
+        outcomes = run_sync(both())
+    finally:
+        engine.close()
     for (split, task), out in zip(tasks, outcomes):
         head = f"one rollout of the {split} task {reprlib.repr(task)} with {where}"
-        if isinstance(out, (TimeoutError, asyncio.TimeoutError)): raise RecipeError(f"{head} did not finish within {seconds:g} s: does Env.reset or Env.step wait on something that never comes?")
+        if isinstance(out, (TimeoutError, asyncio.TimeoutError)):
+            raise RecipeError(
+                f"{head} did not finish within {seconds:g} s: does Env.reset or Env.step wait on something that never comes?"
+            )
         if isinstance(out, BaseException):
-            tb = _traceback(out) # the agent's own frames, when the error came from its code
-            raise RecipeError(f"{head} failed: {type(out).__name__}: {out}" + (f"\n{tb.rstrip()}" if tb.startswith('Traceback') else '')) from out
-        if not isinstance(out, Trajectory): raise RecipeError(f"{head}: AgentRunner's run returned {_shown(out)}, expected a molt_nb.core.Trajectory")
+            tb = _traceback(out)  # the agent's own frames, when the error came from its code
+            raise RecipeError(
+                f"{head} failed: {type(out).__name__}: {out}"
+                + (f"\n{tb.rstrip()}" if tb.startswith('Traceback') else '')
+            ) from out
+        if not isinstance(out, Trajectory):
+            raise RecipeError(f"{head}: AgentRunner's run returned {_shown(out)}, expected a molt_nb.core.Trajectory")
     return parts
 
 # %% ../nbs/14_train.ipynb #d1d5e67f
-def _bar(total:float, unit:str, desc:str|None=None, show:bool=True):
+def _bar(total: float, unit: str, desc: str | None = None, show: bool = True):
     from tqdm.auto import tqdm
-    return tqdm(total=total, unit=unit, desc=desc, disable=not show, file=sys.stderr,
-                bar_format='{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]')
 
-def warm_start(cfg:RunConfig, show:bool=False) -> tuple:
+    return tqdm(
+        total=total,
+        unit=unit,
+        desc=desc,
+        disable=not show,
+        file=sys.stderr,
+        bar_format='{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]',
+    )
+
+
+def warm_start(cfg: RunConfig, show: bool = False) -> tuple:
     "(checkpoint path, held-out accuracy) of the supervised warm start, saved under the run directory; `show`: a progress bar"
     w, module = cfg.warm_start, _module(cfg.agent_path)
     torch.manual_seed(cfg.loop.seed)
     model, tok = build_policy(cfg)
     ids, labels = demo_rows(tok, module.demos(w.demos, cfg.loop.seed))
     with _bar(w.steps, 'steps', 'warm start', show) as bar:
-        loss = supervised(model, ids, labels, steps=w.steps, lr=w.lr, batch_size=w.batch_size, weight_decay=w.weight_decay, seed=cfg.loop.seed,
-                          on_step=lambda step, s: bar.update(1))
+        loss = supervised(
+            model,
+            ids,
+            labels,
+            steps=w.steps,
+            lr=w.lr,
+            batch_size=w.batch_size,
+            weight_decay=w.weight_decay,
+            seed=cfg.loop.seed,
+            on_step=lambda step, s: bar.update(1),
+        )
         bar.set_postfix_str(f"loss {loss:.3f}")
-    path = Path(cfg.run_dir)/'warm_start'
-    transformers.utils.logging.disable_progress_bar() # save_pretrained's shard bar is noise in a terminal
+    path = Path(cfg.run_dir) / 'warm_start'
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar is noise in a terminal
     save_policy(model.eval(), tok, path)
     return path, held_out(model, cfg, tok)
 
-def control(cfg:RunConfig, # the run's config, with model.path at the warm start
-            seconds:float, # as long as RL ran
-            evals:int=3, # held-out evaluations at the end of the last `evals` equal slices of the time
-            show:bool=False, # a progress bar
-           ) -> list:
+
+def control(
+    cfg: RunConfig,  # the run's config, with model.path at the warm start
+    seconds: float,  # as long as RL ran
+    evals: int = 3,  # held-out evaluations at the end of the last `evals` equal slices of the time
+    show: bool = False,  # a progress bar
+) -> list:
     "Held-out accuracies of continued supervised training on the warm start's demos, evaluated `evals` times"
     w = cfg.warm_start
     model, tok = build_policy(cfg)
@@ -141,82 +209,135 @@ def control(cfg:RunConfig, # the run's config, with model.path at the warm start
     with _bar(seconds, 's', 'control', show) as bar:
         for i in range(evals):
             done = bar.n
-            supervised(model, ids, labels, seconds=seconds / evals, lr=w.lr, batch_size=w.batch_size, weight_decay=w.weight_decay, seed=cfg.loop.seed + i,
-                       on_step=lambda step, s: bar.update(min(done + s, seconds) - bar.n))
+            supervised(
+                model,
+                ids,
+                labels,
+                seconds=seconds / evals,
+                lr=w.lr,
+                batch_size=w.batch_size,
+                weight_decay=w.weight_decay,
+                seed=cfg.loop.seed + i,
+                on_step=lambda step, s: bar.update(min(done + s, seconds) - bar.n),
+            )
             out.append(held_out(model, cfg, tok))
             bar.set_postfix_str(f"held-out {out[-1]:.2f}")
     return out
 
 # %% ../nbs/14_train.ipynb #9efca512
-def _show_failures(failures:dict, shown:set, run_dir):
+def _show_failures(failures: dict, shown: set, run_dir):
     "Print the first traceback of each kind of failed rollout not shown yet"
     from tqdm.auto import tqdm
-    for kind, f in failures.items():
-        if kind in shown: continue
-        shown.add(kind)
-        tqdm.write(f"\n{kind}: a rollout failed (counted in the metrics; every kind in {run_dir}/failures.json):\n{f['first']}\n", file=sys.stderr)
 
-def rl(cfg:RunConfig, show:bool=True) -> pd.DataFrame:
+    for kind, f in failures.items():
+        if kind in shown:
+            continue
+        shown.add(kind)
+        tqdm.write(
+            f"\n{kind}: a rollout failed (counted in the metrics; every kind in {run_dir}/failures.json):\n{f['first']}\n",
+            file=sys.stderr,
+        )
+
+
+def rl(cfg: RunConfig, show: bool = True) -> pd.DataFrame:
     "Run RL on Ray with a progress bar (and the first failure of each kind); the run's metrics"
     run = launch(cfg)
     seconds, shown = cfg.loop.seconds, set()
     bar = _bar(seconds if seconds else cfg.loop.steps, 's' if seconds else 'steps', 'RL', show)
+
     def on_progress(p):
-        if show: _show_failures(p.get('failures', {}), shown, cfg.run_dir)
+        if show:
+            _show_failures(p.get('failures', {}), shown, cfg.run_dir)
         bar.update((min(p['time'], seconds) if seconds else p['step']) - bar.n)
         held_out = f" held-out {p['last_eval']:.2f}" if p.get('last_eval') is not None else ''
         failed = f" failed {p['failure_rate']:.0%}" if p.get('failure_rate') else ''
         bar.set_postfix_str(f"step {p['step']} reward {p.get('reward', 0):.2f}{held_out}{failed}")
-    try: run.wait(on_progress)
+
+    try:
+        run.wait(on_progress)
     except Exception as e:
-        if isinstance(getattr(e, 'cause', None), RunStopped): raise e.cause from None # Ray's wrapper adds only its own traceback
+        if isinstance(getattr(e, 'cause', None), RunStopped):
+            raise e.cause from None  # Ray's wrapper adds only its own traceback
         raise
     finally:
         bar.close()
-        if show: _show_failures(run.store.failures(), shown, cfg.run_dir)
+        if show:
+            _show_failures(run.store.failures(), shown, cfg.run_dir)
     return run.store.metrics()
 
 # %% ../nbs/14_train.ipynb #4831debf
-def summarize(warm:float|None, metrics:pd.DataFrame, control_accs:list|None, final_evals:int=3) -> pd.DataFrame:
+def summarize(
+    warm: float | None, metrics: pd.DataFrame, control_accs: list | None, final_evals: int = 3
+) -> pd.DataFrame:
     "Held-out accuracy after each stage: the warm start, RL (mean of the last evals), the supervised control"
     evals = metrics['eval'].dropna()
-    during = metrics[metrics.step > 0]['eval'].dropna() # the start's evaluation is not a result of RL
-    rows = [dict(stage='warm start (supervised)', accuracy=warm)] if warm is not None else [dict(stage='start', accuracy=float(evals.iloc[0]))]
+    during = metrics[metrics.step > 0]['eval'].dropna()  # the start's evaluation is not a result of RL
+    rows = (
+        [dict(stage='warm start (supervised)', accuracy=warm)]
+        if warm is not None
+        else [dict(stage='start', accuracy=float(evals.iloc[0]))]
+    )
     rows.append(dict(stage='after RL', accuracy=float(during.iloc[-final_evals:].mean())))
-    if control_accs: rows.append(dict(stage='control: more supervision', accuracy=float(pd.Series(control_accs).iloc[-final_evals:].mean())))
+    if control_accs:
+        rows.append(
+            dict(stage='control: more supervision', accuracy=float(pd.Series(control_accs).iloc[-final_evals:].mean()))
+        )
     df = pd.DataFrame(rows)
     df['gain'] = df.accuracy - df.accuracy.iloc[0]
     return df
 
-def plot(metrics:pd.DataFrame, path):
+
+def plot(metrics: pd.DataFrame, path):
     "Save the reward curve and the held-out accuracy against wall time"
-    import matplotlib; matplotlib.use('Agg')
+    import matplotlib
+
+    matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = metrics.dropna(subset=['reward'])
-    ax.plot(steps.time, steps.reward.rolling(20, min_periods=1).mean(), label='reward (training rollouts, mean of 20 steps)')
+    ax.plot(
+        steps.time, steps.reward.rolling(20, min_periods=1).mean(), label='reward (training rollouts, mean of 20 steps)'
+    )
     ev = metrics.dropna(subset=['eval'])
     ax.plot(ev.time, ev['eval'], 'o-', label='held-out accuracy (greedy)')
-    ax.set_xlabel('seconds of RL'); ax.set_ylim(0, 1); ax.grid(alpha=.3); ax.legend(loc='lower right')
-    fig.tight_layout(); fig.savefig(path, dpi=100); plt.close(fig)
+    ax.set_xlabel('seconds of RL')
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc='lower right')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
-def train(cfg:RunConfig, with_control:bool=True, show:bool=True) -> pd.DataFrame:
+
+def train(cfg: RunConfig, with_control: bool = True, show: bool = True) -> pd.DataFrame:
     "The main job of a recipe; the summary table (also written to the run directory with the reward plot)"
-    run_dir = Path(cfg.run_dir); run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     warm = None
-    if show: print(f"checking the recipe: {cfg.agent_path} (its exports, tasks, demos and one rollout)", flush=True)
+    if show:
+        print(f"checking the recipe: {cfg.agent_path} (its exports, tasks, demos and one rollout)", flush=True)
     check_recipe(cfg)
     if cfg.warm_start.demos:
-        if show: print(f"warm start: {cfg.warm_start.steps} supervised steps on {cfg.warm_start.demos} labelled demos", flush=True)
+        if show:
+            print(
+                f"warm start: {cfg.warm_start.steps} supervised steps on {cfg.warm_start.demos} labelled demos",
+                flush=True,
+            )
         path, warm = warm_start(cfg, show)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)))
-    if show: print(f"RL: {cfg.loop.mode} GRPO-family run ({cfg.algo.estimator}) on unlabelled prompts", flush=True)
+    if show:
+        print(f"RL: {cfg.loop.mode} GRPO-family run ({cfg.algo.estimator}) on unlabelled prompts", flush=True)
     metrics = rl(cfg, show)
     control_accs = None
     if with_control and cfg.warm_start.demos:
-        if show: print(f"control: {metrics.time.max():.0f} s more supervision on the same {cfg.warm_start.demos} demos", flush=True)
+        if show:
+            print(
+                f"control: {metrics.time.max():.0f} s more supervision on the same {cfg.warm_start.demos} demos",
+                flush=True,
+            )
         control_accs = control(cfg, float(metrics.time.max()), show=show)
     summary = summarize(warm, metrics, control_accs)
-    summary.to_csv(run_dir/'summary.csv', index=False)
-    plot(metrics, run_dir/'reward.png')
+    summary.to_csv(run_dir / 'summary.csv', index=False)
+    plot(metrics, run_dir / 'reward.png')
     return summary

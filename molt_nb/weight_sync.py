@@ -16,51 +16,81 @@ def named_weights(model) -> list:
     "(name, tensor) for each parameter of `model`, tied ones once, detached"
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
+
 @dataclass
 class Bucket:
     "Tensors of one dtype flattened into one buffer"
-    names:list # parameter names, in order
-    shapes:list # their shapes
-    flat:Tensor # (sum of numels,) the values, in order
+
+    names: list  # parameter names, in order
+    shapes: list  # their shapes
+    flat: Tensor  # (sum of numels,) the values, in order
 
     @property
-    def nbytes(self) -> int: return self.flat.numel() * self.flat.element_size()
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
 
-def to_buckets(items:list, # (name, tensor) pairs
-               bucket_mb:float=64, # most megabytes per bucket
-              ) -> list:
+
+def to_buckets(
+    items: list,  # (name, tensor) pairs
+    bucket_mb: float = 64,  # most megabytes per bucket
+) -> list:
     "Pack `items` into `Bucket`s of one dtype each"
-    if not bucket_mb > 0: raise ValueError(f"bucket_mb is {bucket_mb}: give a positive size in megabytes, such as 64")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb is {bucket_mb}: give a positive size in megabytes, such as 64")
     limit, out, group = bucket_mb * 2**20, [], []
+
     def flush():
-        if group: out.append(Bucket([n for n, _ in group], [tuple(t.shape) for _, t in group], torch.cat([t.reshape(-1) for _, t in group])))
+        if group:
+            out.append(
+                Bucket(
+                    [n for n, _ in group],
+                    [tuple(t.shape) for _, t in group],
+                    torch.cat([t.reshape(-1) for _, t in group]),
+                )
+            )
         group.clear()
+
     for name, t in items:
         size = sum(g.numel() * g.element_size() for _, g in group) + t.numel() * t.element_size()
-        if group and (group[0][1].dtype != t.dtype or size > limit): flush()
+        if group and (group[0][1].dtype != t.dtype or size > limit):
+            flush()
         group.append((name, t))
     flush()
     return out
 
-def from_buckets(buckets:list) -> list:
+
+def from_buckets(buckets: list) -> list:
     "(name, tensor) pairs back from `buckets`, as views of their buffers"
-    return [(n, t.view(s)) for b in buckets for n, s, t in zip(b.names, b.shapes, b.flat.split([torch.Size(s).numel() for s in b.shapes]))]
+    return [
+        (n, t.view(s))
+        for b in buckets
+        for n, s, t in zip(b.names, b.shapes, b.flat.split([torch.Size(s).numel() for s in b.shapes]))
+    ]
 
 # %% ../nbs/11_weight_sync.ipynb #4ea62f85
 @dataclass
 class Coverage:
     "Which of a target's parameters a sync covers"
-    stale:list # target parameters the sync did not send
-    unknown:list # names sent that the target does not have
 
-    def check(self, where:str='the engine'):
+    stale: list  # target parameters the sync did not send
+    unknown: list  # names sent that the target does not have
+
+    def check(self, where: str = 'the engine'):
         "Raise if any parameter would stay stale or a sent name is unknown"
-        if self.unknown: raise KeyError(f"weight sync sent {len(self.unknown)} names {where} does not have, e.g. {self.unknown[:3]}: trainer and engine must load the same architecture")
-        if self.stale: raise ValueError(f"weight sync would leave {len(self.stale)} parameters of {where} stale, e.g. {self.stale[:3]}: send every parameter (frozen ones too)")
+        if self.unknown:
+            raise KeyError(
+                f"weight sync sent {len(self.unknown)} names {where} does not have, e.g. {self.unknown[:3]}: trainer and engine must load the same architecture"
+            )
+        if self.stale:
+            raise ValueError(
+                f"weight sync would leave {len(self.stale)} parameters of {where} stale, e.g. {self.stale[:3]}: send every parameter (frozen ones too)"
+            )
 
-def coverage(sent:list, # names sent
-             target:list, # the target's parameter names
-            ) -> Coverage:
+
+def coverage(
+    sent: list,  # names sent
+    target: list,  # the target's parameter names
+) -> Coverage:
     "Names of `target` missing from `sent`, and names of `sent` missing from `target`"
     s, t = set(sent), set(target)
     return Coverage([n for n in target if n not in s], [n for n in sent if n not in t])
@@ -69,27 +99,39 @@ def coverage(sent:list, # names sent
 @dataclass
 class SyncReport:
     "What one weight sync did"
-    version:int # the policy version the engines now sample with
-    tensors:int # parameters loaded into each engine
-    nbytes:int # bytes moved per engine
-    seconds:float # wall time of the whole sync
+
+    version: int  # the policy version the engines now sample with
+    tensors: int  # parameters loaded into each engine
+    nbytes: int  # bytes moved per engine
+    seconds: float  # wall time of the whole sync
+
 
 class WeightSync:
     "Loads bucketed weights into every engine and stamps a new policy version"
-    def __init__(self, engines:list, # engines with `load_weights(named_tensors, version)` and a `model`
-                 version:int=0, # the version the engines sample with now
-                ):
+
+    def __init__(
+        self,
+        engines: list,  # engines with `load_weights(named_tensors, version)` and a `model`
+        version: int = 0,  # the version the engines sample with now
+    ):
         self.engines, self.version = list(engines), version
         self.targets = [[n for n, _ in e.model.named_parameters()] for e in self.engines]
 
-    async def push(self, buckets:list, # `Bucket`s covering every parameter
-                   version:int|None=None, # the new version; default the current one + 1
-                  ) -> SyncReport:
+    async def push(
+        self,
+        buckets: list,  # `Bucket`s covering every parameter
+        version: int | None = None,  # the new version; default the current one + 1
+    ) -> SyncReport:
         "Load `buckets` into every engine; later tokens carry the new version"
         start, version = time.perf_counter(), self.version + 1 if version is None else version
-        if version <= self.version: raise ValueError(f"weight sync to version {version}, but the engines are at {self.version}: versions only grow")
+        if version <= self.version:
+            raise ValueError(
+                f"weight sync to version {version}, but the engines are at {self.version}: versions only grow"
+            )
         items = from_buckets(buckets)
-        for i, target in enumerate(self.targets): coverage([n for n, _ in items], target).check(f"engine {i}")
-        for e in self.engines: await e.load_weights(items, version)
+        for i, target in enumerate(self.targets):
+            coverage([n for n, _ in items], target).check(f"engine {i}")
+        for e in self.engines:
+            await e.load_weights(items, version)
         self.version = version
         return SyncReport(version, len(items), sum(b.nbytes for b in buckets), time.perf_counter() - start)

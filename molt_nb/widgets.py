@@ -21,44 +21,66 @@ from .loop import RunStore
 # %% ../nbs/16_widgets.ipynb #16b679ae
 class StoreSource:
     "A finished (or running) run's store read from disk, with the calls a `Run` handle answers"
-    def __init__(self, store): self.store = store if isinstance(store, RunStore) else RunStore(store)
-    def metrics(self, since:int|None=None) -> pd.DataFrame:
-        if not (self.store.root/'metrics.parquet').exists(): return pd.DataFrame(columns=['step'])
+
+    def __init__(self, store):
+        self.store = store if isinstance(store, RunStore) else RunStore(store)
+
+    def metrics(self, since: int | None = None) -> pd.DataFrame:
+        if not (self.store.root / 'metrics.parquet').exists():
+            return pd.DataFrame(columns=['step'])
         m = self.store.metrics()
         return m if since is None else m[m.step > since].reset_index(drop=True)
-    def samples(self, step:int|None=None) -> pd.DataFrame: return self.store.samples(step)
-    def config(self) -> dict: return self.store.config()
-    def status(self) -> dict: return dict(state='finished')
+
+    def samples(self, step: int | None = None) -> pd.DataFrame:
+        return self.store.samples(step)
+
+    def config(self) -> dict:
+        return self.store.config()
+
+    def status(self) -> dict:
+        return dict(state='finished')
+
 
 def as_source(x):
     "A `Run` handle as is; a `RunStore` or a run directory as a `StoreSource`"
-    if hasattr(x, 'metrics') and hasattr(x, 'samples') and hasattr(x, 'status'): return x
-    if isinstance(x, (str, Path, RunStore)): return StoreSource(x)
-    raise TypeError(f"Dashboard needs a Run (from launch/attach), a RunStore or a run directory, got {type(x).__name__}")
+    if hasattr(x, 'metrics') and hasattr(x, 'samples') and hasattr(x, 'status'):
+        return x
+    if isinstance(x, (str, Path, RunStore)):
+        return StoreSource(x)
+    raise TypeError(
+        f"Dashboard needs a Run (from launch/attach), a RunStore or a run directory, got {type(x).__name__}"
+    )
 
 # %% ../nbs/16_widgets.ipynb #5d31f7a8
-BLUE, WHITE, RED = np.array([33, 102, 172]) / 255, np.ones(3), np.array([178, 24, 43]) / 255 # the ends of RdBu
+BLUE, WHITE, RED = np.array([33, 102, 172]) / 255, np.ones(3), np.array([178, 24, 43]) / 255  # the ends of RdBu
 
-def ratio_colours(log_ratio, # (n,) log importance ratios
-                  scale:float=0.5, # |log ratio| that gets the full colour
-                 ) -> list:
+
+def ratio_colours(
+    log_ratio,  # (n,) log importance ratios
+    scale: float = 0.5,  # |log ratio| that gets the full colour
+) -> list:
     "Hex colour of each log ratio: white at 0, towards red above and blue below, full at |log ratio| >= scale"
     x = np.clip(np.asarray(log_ratio, dtype=np.float64) / scale, -1, 1)[:, None]
     rgb = np.where(x >= 0, WHITE + x * (RED - WHITE), WHITE - x * (BLUE - WHITE))
     return ['#%02x%02x%02x' % tuple(c) for c in np.round(rgb * 255).astype(int)]
 
 # %% ../nbs/16_widgets.ipynb #f7516b22
-def sequence_gate(keep:list, trained:bool, level:str) -> str:
+def sequence_gate(keep: list, trained: bool, level: str) -> str:
     "What the sequence gate did with a rollout: 'passed', 'rejected', 'per-token' (token level or off) or 'not trained'"
-    if not trained: return 'not trained'
-    if level not in ('seq', 'geo'): return 'per-token'
+    if not trained:
+        return 'not trained'
+    if level not in ('seq', 'geo'):
+        return 'per-token'
     return 'passed' if any(keep) else 'rejected'
 
-def token_marks(keep:list, trained:bool, level:str) -> list:
+
+def token_marks(keep: list, trained: bool, level: str) -> list:
     "Each action token's mark: 'kept', 'masked', 'gated' or 'untrained'"
     gate = sequence_gate(keep, trained, level)
-    if gate == 'not trained': return ['untrained'] * len(keep)
-    if gate == 'rejected': return ['gated'] * len(keep)
+    if gate == 'not trained':
+        return ['untrained'] * len(keep)
+    if gate == 'rejected':
+        return ['gated'] * len(keep)
     return ['kept' if k else 'masked' for k in keep]
 
 # %% ../nbs/16_widgets.ipynb #4d55c1fb
@@ -70,147 +92,241 @@ STYLE = """<style>
 .molt-tokens .tok.outlier {outline: 2px solid #000}
 </style>"""
 
-def _piece(p:str) -> str:
+
+def _piece(p: str) -> str:
     "A token's text for a chip: unprintable characters escaped (a newline shows as \\n), an empty token as a visible mark"
     return html.escape(''.join(c if c.isprintable() else repr(c)[1:-1] for c in p)) or '&#x2400;'
 
-def token_html(row, level:str='off', scale:float=0.5, highlight:int|None=None) -> str:
+
+def token_html(row, level: str = 'off', scale: float = 0.5, highlight: int | None = None) -> str:
     "HTML of one sample row's action tokens, coloured by log ratio and marked"
-    if 'log_ratio' not in row or row['log_ratio'] is None: return '<div class="molt-tokens">no per-token numbers in this store (it was written by an older molt-nb)</div>'
+    if 'log_ratio' not in row or row['log_ratio'] is None:
+        return '<div class="molt-tokens">no per-token numbers in this store (it was written by an older molt-nb)</div>'
     lr, keep, trained = list(row['log_ratio']), list(row['keep']), bool(row['trained'])
     cols, marks = ratio_colours(lr, scale), token_marks(keep, trained, level)
     spans = []
     for i, (piece, c, mark) in enumerate(zip(row['pieces'], cols, marks)):
-        tip = (f"id {row['token_ids'][i]} | logp behaviour {row['logp_behaviour'][i]:.3f} | logp train {row['logp_train'][i]:.3f} | "
-               f"ratio {np.exp(lr[i]):.3f} | adv {row['adv'][i]:.3f} | version {row['versions'][i]} | {mark}")
-        spans.append(f'<span class="tok {mark}{" outlier" if i == highlight else ""}" data-log-ratio="{lr[i]:.4f}" style="background:{c}" title="{tip}">{_piece(piece)}</span>')
-    head = (f'<div class="molt-head">{html.escape(str(row["rollout_id"]))} | reward {row["reward"]:.3f} | gate: {sequence_gate(keep, trained, level)} (level {level}) | '
-            f'versions {min(row["versions"], default="-")}..{max(row["versions"], default="-")}</div>')
+        tip = (
+            f"id {row['token_ids'][i]} | logp behaviour {row['logp_behaviour'][i]:.3f} | logp train {row['logp_train'][i]:.3f} | "
+            f"ratio {np.exp(lr[i]):.3f} | adv {row['adv'][i]:.3f} | version {row['versions'][i]} | {mark}"
+        )
+        spans.append(
+            f'<span class="tok {mark}{" outlier" if i == highlight else ""}" data-log-ratio="{lr[i]:.4f}" style="background:{c}" title="{tip}">{_piece(piece)}</span>'
+        )
+    head = (
+        f'<div class="molt-head">{html.escape(str(row["rollout_id"]))} | reward {row["reward"]:.3f} | gate: {sequence_gate(keep, trained, level)} (level {level}) | '
+        f'versions {min(row["versions"], default="-")}..{max(row["versions"], default="-")}</div>'
+    )
     return f'<div class="molt-tokens">{head}{"".join(spans)}</div>'
 
 # %% ../nbs/16_widgets.ipynb #d30c8e05
-def outlier_tokens(samples:pd.DataFrame, k:int=20) -> pd.DataFrame:
+def outlier_tokens(samples: pd.DataFrame, k: int = 20) -> pd.DataFrame:
     "The `k` trained action tokens with the largest |log ratio|: rollout, position, piece, log ratio"
-    if 'log_ratio' not in samples or not len(samples): return pd.DataFrame(columns=['rollout_id', 'position', 'piece', 'log_ratio'])
+    if 'log_ratio' not in samples or not len(samples):
+        return pd.DataFrame(columns=['rollout_id', 'position', 'piece', 'log_ratio'])
     s = samples[samples.trained.fillna(False).astype(bool)]
-    if not len(s): return pd.DataFrame(columns=['rollout_id', 'position', 'piece', 'log_ratio'])
+    if not len(s):
+        return pd.DataFrame(columns=['rollout_id', 'position', 'piece', 'log_ratio'])
     lens = s.log_ratio.map(len).to_numpy()
     lr = np.concatenate([np.asarray(x, dtype=np.float64) for x in s.log_ratio])
-    df = pd.DataFrame(dict(rollout_id=np.repeat(s.rollout_id.to_numpy(), lens), position=np.concatenate([np.arange(n) for n in lens]),
-                           piece=[p for ps in s.pieces for p in ps], log_ratio=lr))
+    df = pd.DataFrame(
+        dict(
+            rollout_id=np.repeat(s.rollout_id.to_numpy(), lens),
+            position=np.concatenate([np.arange(n) for n in lens]),
+            piece=[p for ps in s.pieces for p in ps],
+            log_ratio=lr,
+        )
+    )
     return df.iloc[np.argsort(-np.abs(lr), kind='stable')[:k]].reset_index(drop=True)
 
 # %% ../nbs/16_widgets.ipynb #b3f07715
 def _array(x) -> np.ndarray:
     "Nested lists, or the nested object arrays parquet gives back for them, as one int64 array"
-    if isinstance(x, np.ndarray) and x.dtype == object or isinstance(x, (list, tuple)) and len(x) and isinstance(x[0], (np.ndarray, list, tuple)):
+    if (
+        isinstance(x, np.ndarray)
+        and x.dtype == object
+        or isinstance(x, (list, tuple))
+        and len(x)
+        and isinstance(x[0], (np.ndarray, list, tuple))
+    ):
         return np.stack([_array(e) for e in x]) if len(x) else np.zeros(0, dtype=np.int64)
     return np.asarray(x, dtype=np.int64)
+
 
 def routing_disagreement(routes, train_routes) -> np.ndarray:
     "(layers, T) fraction of each token's top-k experts at each layer that training did not route to; NaN where unknown"
     r, t = _array(routes), _array(train_routes)
-    if r.shape != t.shape or r.ndim != 3: raise ValueError(f"routes {r.shape} and train_routes {t.shape} must both be [T][layers][top_k]")
-    matched = (r[..., :, None] == t[..., None, :]).any(-1).mean(-1)           # (T, L)
+    if r.shape != t.shape or r.ndim != 3:
+        raise ValueError(f"routes {r.shape} and train_routes {t.shape} must both be [T][layers][top_k]")
+    matched = (r[..., :, None] == t[..., None, :]).any(-1).mean(-1)  # (T, L)
     unknown = (r < 0).any(-1) | (t < 0).any(-1)
     return np.where(unknown, np.nan, 1 - matched).T
 
-def layer_agreement(samples:pd.DataFrame) -> np.ndarray:
+
+def layer_agreement(samples: pd.DataFrame) -> np.ndarray:
     "(layers,) mean top-k agreement per layer over every known token of `samples`"
     d = [routing_disagreement(r, t) for r, t in zip(samples.routes, samples.train_routes) if r is not None and len(r)]
     return 1 - np.nanmean(np.concatenate(d, axis=1), axis=1)
 
-def has_routes(samples:pd.DataFrame) -> bool:
-    return 'routes' in samples and 'train_routes' in samples and samples.routes.map(lambda r: r is not None and len(r) > 0).any()
+
+def has_routes(samples: pd.DataFrame) -> bool:
+    return (
+        'routes' in samples
+        and 'train_routes' in samples
+        and samples.routes.map(lambda r: r is not None and len(r) > 0).any()
+    )
 
 # %% ../nbs/16_widgets.ipynb #d0746bd0
-def metric_layers(row:pd.Series) -> pd.Series:
+def metric_layers(row: pd.Series) -> pd.Series:
     "Per-layer agreement from a metrics row's routing/agreement/L{layer} columns, by layer"
-    cols = {int(c.rsplit('L', 1)[1]): row[c] for c in row.index if c.startswith('routing/agreement/L') and pd.notna(row[c])}
+    cols = {
+        int(c.rsplit('L', 1)[1]): row[c] for c in row.index if c.startswith('routing/agreement/L') and pd.notna(row[c])
+    }
     return pd.Series(cols, dtype=float).sort_index()
 
 # %% ../nbs/16_widgets.ipynb #104ea577
-def group_table(samples:pd.DataFrame, group_id:str) -> pd.DataFrame:
+def group_table(samples: pd.DataFrame, group_id: str) -> pd.DataFrame:
     "The rollouts of one group: id, reward, mean advantage, tokens, text"
     g = samples[samples.group_id == group_id]
     adv = g.adv.map(lambda a: float(np.mean(a)) if a is not None and len(a) else np.nan) if 'adv' in g else np.nan
-    return pd.DataFrame(dict(rollout_id=g.rollout_id, reward=g.reward, advantage=adv, tokens=g.tokens, text=g.text)).reset_index(drop=True)
+    return pd.DataFrame(
+        dict(rollout_id=g.rollout_id, reward=g.reward, advantage=adv, tokens=g.tokens, text=g.text)
+    ).reset_index(drop=True)
 
-CURVES = {'reward': 'reward', 'loss': 'train/loss', 'KL behaviour-train': 'train/kl_behaviour_train', 'IS filtered': 'train/is_filtered',
-          'staleness': 'train/staleness_mean', 'samples/s': 'samples_per_s'}
 
-def curve_table(metrics:pd.DataFrame) -> pd.DataFrame:
+CURVES = {
+    'reward': 'reward',
+    'loss': 'train/loss',
+    'KL behaviour-train': 'train/kl_behaviour_train',
+    'IS filtered': 'train/is_filtered',
+    'staleness': 'train/staleness_mean',
+    'samples/s': 'samples_per_s',
+}
+
+
+def curve_table(metrics: pd.DataFrame) -> pd.DataFrame:
     "The dashboard's curves by step (training steps only; absent metrics are NaN)"
     m = metrics[metrics.step > 0] if 'train/loss' not in metrics else metrics[metrics['train/loss'].notna()]
     return pd.DataFrame({k: m[c] if c in m else np.nan for k, c in CURVES.items()}).set_index(m.step)
 
 # %% ../nbs/16_widgets.ipynb #1e32a261
-def _bins(y:np.ndarray, edges:np.ndarray, axis:int=-1) -> np.ndarray:
+def _bins(y: np.ndarray, edges: np.ndarray, axis: int = -1) -> np.ndarray:
     "Means of `y` over the bins starting at `edges` along `axis`, NaNs ignored (NaN where a bin has no number)"
     ok = np.isfinite(y)
-    n, s = np.add.reduceat(ok.astype(np.float64), edges, axis=axis), np.add.reduceat(np.where(ok, y, 0.0), edges, axis=axis)
-    with np.errstate(invalid='ignore', divide='ignore'): return np.where(n > 0, s / n, np.nan)
+    n, s = (
+        np.add.reduceat(ok.astype(np.float64), edges, axis=axis),
+        np.add.reduceat(np.where(ok, y, 0.0), edges, axis=axis),
+    )
+    with np.errstate(invalid='ignore', divide='ignore'):
+        return np.where(n > 0, s / n, np.nan)
 
-def thin(x, y, points:int=400) -> tuple:
+
+def thin(x, y, points: int = 400) -> tuple:
     "x and y as at most `points` bin means over runs of consecutive entries"
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if len(x) <= points: return x, y
+    if len(x) <= points:
+        return x, y
     edges = np.linspace(0, len(x), points + 1).astype(int)[:-1]
     return _bins(x, edges), _bins(y, edges)
 
-def _num(v:float) -> str: return f"{v:.0f}" if float(v).is_integer() and abs(v) < 1e7 else f"{v:.3g}"
 
-def _svg(w:int, h:int, cls:str, title:str, **data) -> list:
+def _num(v: float) -> str:
+    return f"{v:.0f}" if float(v).is_integer() and abs(v) < 1e7 else f"{v:.3g}"
+
+
+def _svg(w: int, h: int, cls: str, title: str, **data) -> list:
     attrs = ''.join(f' data-{k}="{html.escape(str(v))}"' for k, v in data.items())
-    return [f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif"{attrs}>',
-            f'<text x="{w / 2}" y="12" font-size="11" text-anchor="middle">{html.escape(title)}</text>']
+    return [
+        f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif"{attrs}>',
+        f'<text x="{w / 2}" y="12" font-size="11" text-anchor="middle">{html.escape(title)}</text>',
+    ]
+
 
 def _frame(w, h, x0, x1, lo, hi, box) -> list:
     "The plot box and its four extent labels"
     L, T, R, B = box
-    return [f'<rect x="{L}" y="{T}" width="{R - L}" height="{B - T}" fill="none" stroke="#bbb"/>',
-            f'<text x="{L - 3}" y="{T + 8}" font-size="9" text-anchor="end">{_num(hi)}</text>',
-            f'<text x="{L - 3}" y="{B}" font-size="9" text-anchor="end">{_num(lo)}</text>',
-            f'<text x="{L}" y="{h - 2}" font-size="9">{_num(x0)}</text>',
-            f'<text x="{R}" y="{h - 2}" font-size="9" text-anchor="end">{_num(x1)}</text>']
+    return [
+        f'<rect x="{L}" y="{T}" width="{R - L}" height="{B - T}" fill="none" stroke="#bbb"/>',
+        f'<text x="{L - 3}" y="{T + 8}" font-size="9" text-anchor="end">{_num(hi)}</text>',
+        f'<text x="{L - 3}" y="{B}" font-size="9" text-anchor="end">{_num(lo)}</text>',
+        f'<text x="{L}" y="{h - 2}" font-size="9">{_num(x0)}</text>',
+        f'<text x="{R}" y="{h - 2}" font-size="9" text-anchor="end">{_num(x1)}</text>',
+    ]
 
-def _span(lo:float, hi:float) -> tuple:
+
+def _span(lo: float, hi: float) -> tuple:
     "A y range that is never empty"
-    if hi - lo > 1e-12 * max(1.0, abs(hi)): return lo, hi
+    if hi - lo > 1e-12 * max(1.0, abs(hi)):
+        return lo, hi
     pad = abs(hi) * 0.1 or 1.0
     return lo - pad, hi + pad
 
-def svg_chart(title:str, x, # (n,) steps
-              ys:dict, # series label -> (y values, colour)
-              marks=(), # x positions to mark with a dotted line (hot-swaps)
-              w:int=280, h:int=150, ylim:tuple|None=None, points:int=400) -> str:
+
+def svg_chart(
+    title: str,
+    x,  # (n,) steps
+    ys: dict,  # series label -> (y values, colour)
+    marks=(),  # x positions to mark with a dotted line (hot-swaps)
+    w: int = 280,
+    h: int = 150,
+    ylim: tuple | None = None,
+    points: int = 400,
+) -> str:
     "A line chart as SVG: one line per series (a NaN breaks it), the x and y extents labelled, dotted marks"
     x = np.asarray(x, dtype=np.float64)
     parts = _svg(w, h, 'molt-chart', title, n=len(x), last=f"{x.max():.0f}" if len(x) else '')
     series = [thin(x, y, points) + (label, colour) for label, (y, colour) in ys.items()]
     finite = np.concatenate([s[1][np.isfinite(s[1])] for s in series]) if series else np.zeros(0)
     if not len(finite):
-        return ''.join(parts) + f'<text x="{w / 2}" y="{h / 2}" font-size="10" text-anchor="middle" fill="#888">no data</text></svg>'
+        return (
+            ''.join(parts)
+            + f'<text x="{w / 2}" y="{h / 2}" font-size="10" text-anchor="middle" fill="#888">no data</text></svg>'
+        )
     lo, hi = _span(*(ylim or (float(finite.min()), float(finite.max()))))
     x0, x1 = _span(float(x.min()), float(x.max()))
     box = L, T, R, B = 40, 18, w - 6, h - 14
     sx = lambda v: L + (v - x0) / (x1 - x0) * (R - L)
     sy = lambda v: B - (np.clip(v, lo, hi) - lo) / (hi - lo) * (B - T)
     parts += _frame(w, h, x0, x1, lo, hi, box)
-    parts += [f'<line x1="{sx(m):.1f}" x2="{sx(m):.1f}" y1="{T}" y2="{B}" stroke="#000" stroke-dasharray="2,2"/>' for m in marks if x0 <= m <= x1]
+    parts += [
+        f'<line x1="{sx(m):.1f}" x2="{sx(m):.1f}" y1="{T}" y2="{B}" stroke="#000" stroke-dasharray="2,2"/>'
+        for m in marks
+        if x0 <= m <= x1
+    ]
     for k, (xs, vs, label, colour) in enumerate(series):
         ok = np.flatnonzero(np.isfinite(vs))
         for run in np.split(ok, np.flatnonzero(np.diff(ok) > 1) + 1):
-            if len(run) == 1: parts.append(f'<circle cx="{sx(xs[run[0]]):.1f}" cy="{sy(vs[run[0]]):.1f}" r="1.5" fill="{colour}"/>')
-            elif len(run): parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.2" points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in zip(sx(xs[run]), sy(vs[run])))}"/>')
-        if len(series) > 1: parts.append(f'<text x="{R - 2}" y="{T + 10 + 10 * k}" font-size="9" text-anchor="end" fill="{colour}">{html.escape(label)}</text>')
+            if len(run) == 1:
+                parts.append(f'<circle cx="{sx(xs[run[0]]):.1f}" cy="{sy(vs[run[0]]):.1f}" r="1.5" fill="{colour}"/>')
+            elif len(run):
+                parts.append(
+                    f'<polyline fill="none" stroke="{colour}" stroke-width="1.2" points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in zip(sx(xs[run]), sy(vs[run])))}"/>'
+                )
+        if len(series) > 1:
+            parts.append(
+                f'<text x="{R - 2}" y="{T + 10 + 10 * k}" font-size="9" text-anchor="end" fill="{colour}">{html.escape(label)}</text>'
+            )
     return ''.join(parts) + '</svg>'
 
-def svg_bars(title:str, x, heights, colour:str='#888', w:int=300, h:int=150, ylim:tuple|None=None, mark:float|None=None) -> str:
+
+def svg_bars(
+    title: str,
+    x,
+    heights,
+    colour: str = '#888',
+    w: int = 300,
+    h: int = 150,
+    ylim: tuple | None = None,
+    mark: float | None = None,
+) -> str:
     "A bar chart as SVG (a histogram when `x` are bin centres); a dotted line at `mark`"
     x, v = np.asarray(x, dtype=np.float64), np.asarray(heights, dtype=np.float64)
     parts = _svg(w, h, 'molt-bars', title, n=len(x))
-    if not len(x): return ''.join(parts) + f'<text x="{w / 2}" y="{h / 2}" font-size="10" text-anchor="middle" fill="#888">no data</text></svg>'
+    if not len(x):
+        return (
+            ''.join(parts)
+            + f'<text x="{w / 2}" y="{h / 2}" font-size="10" text-anchor="middle" fill="#888">no data</text></svg>'
+        )
     step = float(np.min(np.diff(x))) if len(x) > 1 else 1.0
     x0, x1 = x.min() - step / 2, x.max() + step / 2
     lo, hi = ylim or (0.0, float(np.nanmax(v)) if np.isfinite(v).any() else 1.0)
@@ -220,17 +336,30 @@ def svg_bars(title:str, x, heights, colour:str='#888', w:int=300, h:int=150, yli
     bw = max((R - L) * step / (x1 - x0) - 1, 1)
     parts += _frame(w, h, x0, x1, lo, hi, box)
     for u, hv in zip(x, v):
-        if not np.isfinite(hv): continue
+        if not np.isfinite(hv):
+            continue
         top = B - (min(max(hv, lo), hi) - lo) / (hi - lo) * (B - T)
-        parts.append(f'<rect x="{sx(u) - bw / 2:.1f}" y="{top:.1f}" width="{bw:.1f}" height="{B - top:.1f}" fill="{colour}"/>')
-    if mark is not None and x0 <= mark <= x1: parts.append(f'<line x1="{sx(mark):.1f}" x2="{sx(mark):.1f}" y1="{T}" y2="{B}" stroke="#000" stroke-dasharray="2,2"/>')
+        parts.append(
+            f'<rect x="{sx(u) - bw / 2:.1f}" y="{top:.1f}" width="{bw:.1f}" height="{B - top:.1f}" fill="{colour}"/>'
+        )
+    if mark is not None and x0 <= mark <= x1:
+        parts.append(
+            f'<line x1="{sx(mark):.1f}" x2="{sx(mark):.1f}" y1="{T}" y2="{B}" stroke="#000" stroke-dasharray="2,2"/>'
+        )
     return ''.join(parts) + '</svg>'
 
-def svg_heatmap(title:str, d:np.ndarray, # (rows, columns) in [0, 1]; NaN is unknown
-                w:int=520, h:int=160, columns:int=300) -> str:
+
+def svg_heatmap(
+    title: str,
+    d: np.ndarray,  # (rows, columns) in [0, 1]; NaN is unknown
+    w: int = 520,
+    h: int = 160,
+    columns: int = 300,
+) -> str:
     "A (rows x columns) heatmap as SVG, white at 0 to red at 1, unknown grey; long rows binned to `columns` means"
     d = np.asarray(d, dtype=np.float64)
-    if d.shape[1] > columns: d = _bins(d, np.linspace(0, d.shape[1], columns + 1).astype(int)[:-1], axis=1)
+    if d.shape[1] > columns:
+        d = _bins(d, np.linspace(0, d.shape[1], columns + 1).astype(int)[:-1], axis=1)
     rows, cols = d.shape
     parts = _svg(w, h, 'molt-heatmap', title, rows=rows, columns=cols)
     L, T, R, B = 40, 18, w - 6, h - 14
@@ -238,210 +367,318 @@ def svg_heatmap(title:str, d:np.ndarray, # (rows, columns) in [0, 1]; NaN is unk
     fill = ratio_colours(np.nan_to_num(d, nan=0.0).ravel(), scale=1.0)
     for (i, j), c in zip(np.ndindex(rows, cols), fill):
         c = '#dddddd' if np.isnan(d[i, j]) else c
-        parts.append(f'<rect x="{L + j * cw:.1f}" y="{T + i * ch:.1f}" width="{cw + 0.3:.1f}" height="{ch + 0.3:.1f}" fill="{c}"/>')
-    parts += [f'<text x="{L - 3}" y="{T + ch * (i + 0.5) + 3:.1f}" font-size="9" text-anchor="end">L{i}</text>' for i in range(rows)]
-    parts.append(f'<text x="{L}" y="{h - 2}" font-size="9">token 0</text><text x="{R}" y="{h - 2}" font-size="9" text-anchor="end">{cols} columns</text>')
+        parts.append(
+            f'<rect x="{L + j * cw:.1f}" y="{T + i * ch:.1f}" width="{cw + 0.3:.1f}" height="{ch + 0.3:.1f}" fill="{c}"/>'
+        )
+    parts += [
+        f'<text x="{L - 3}" y="{T + ch * (i + 0.5) + 3:.1f}" font-size="9" text-anchor="end">L{i}</text>'
+        for i in range(rows)
+    ]
+    parts.append(
+        f'<text x="{L}" y="{h - 2}" font-size="9">token 0</text><text x="{R}" y="{h - 2}" font-size="9" text-anchor="end">{cols} columns</text>'
+    )
     return ''.join(parts) + '</svg>'
 
 # %% ../nbs/16_widgets.ipynb #8d730d33
-def swap_steps(metrics:pd.DataFrame) -> list:
+def swap_steps(metrics: pd.DataFrame) -> list:
     "Steps at which a hot-swap took effect"
     cols = [k for k in metrics if k.startswith('swap/') and not k.endswith('/source')]
     return metrics.step[metrics[cols].notna().any(axis=1)].tolist() if cols else []
 
-def curves_html(metrics:pd.DataFrame) -> str:
+
+def curves_html(metrics: pd.DataFrame) -> str:
     "The six training curves as a grid of SVG charts"
     c, marks = curve_table(metrics), swap_steps(metrics)
     charts = ''.join(svg_chart(name, c.index, {name: (c[name], '#1f77b4')}, marks) for name in CURVES)
     return f'<div class="molt-curves" style="display:grid; grid-template-columns: repeat(3, 284px)">{charts}</div>'
 
-def engines_html(metrics:pd.DataFrame) -> str:
+
+def engines_html(metrics: pd.DataFrame) -> str:
     "Each step's seconds collecting, training and syncing, and the engine's busy fraction"
     m = metrics[metrics.step > 0]
-    split = {col.removeprefix('time_'): (m[col] if col in m else np.full(len(m), np.nan), colour)
-             for col, colour in (('time_collect', '#4c78a8'), ('time_train', '#f58518'), ('time_sync', '#54a24b'))}
+    split = {
+        col.removeprefix('time_'): (m[col] if col in m else np.full(len(m), np.nan), colour)
+        for col, colour in (('time_collect', '#4c78a8'), ('time_train', '#f58518'), ('time_sync', '#54a24b'))
+    }
     busy = {'busy': (1 - m.engine_idle if 'engine_idle' in m else np.full(len(m), np.nan), '#000')}
-    return (f'<div class="molt-engines" style="display:flex">{svg_chart("seconds per step", m.step, split, w=420)}'
-            f'{svg_chart("engine busy fraction", m.step, busy, w=420, ylim=(0, 1))}</div>')
+    return (
+        f'<div class="molt-engines" style="display:flex">{svg_chart("seconds per step", m.step, split, w=420)}'
+        f'{svg_chart("engine busy fraction", m.step, busy, w=420, ylim=(0, 1))}</div>'
+    )
 
-def ratios_svg(samples:pd.DataFrame, scale:float=0.5, bins:int=40) -> str:
+
+def ratios_svg(samples: pd.DataFrame, scale: float = 0.5, bins: int = 40) -> str:
     "Histogram of a step's trained action tokens' log ratios"
     t = samples[samples.trained.fillna(False).astype(bool)] if 'trained' in samples else samples.iloc[:0]
     lr = np.concatenate([np.asarray(x, dtype=float) for x in t.log_ratio]) if len(t) else np.zeros(0)
-    if not len(lr): return svg_bars('log ratio of 0 trained tokens', [], [])
+    if not len(lr):
+        return svg_bars('log ratio of 0 trained tokens', [], [])
     counts, edges = np.histogram(lr, bins=bins)
     return svg_bars(f"log ratio of {len(lr)} trained tokens", (edges[1:] + edges[:-1]) / 2, counts, mark=0.0)
 
-def routing_html(row, metrics_row:pd.Series|None) -> str:
+
+def routing_html(row, metrics_row: pd.Series | None) -> str:
     "One sample's layer x token disagreement heatmap and the per-layer agreement bars"
     d = routing_disagreement(row['routes'], row['train_routes'])
     layers = metric_layers(metrics_row) if metrics_row is not None else pd.Series(dtype=float)
-    if not len(layers): layers = pd.Series(1 - np.nanmean(d, axis=1))
-    return (f'<div class="molt-routing" style="display:flex">{svg_heatmap("rollout vs train disagreement (layer x token)", d)}'
-            f'{svg_bars("agreement per layer", layers.index, layers.to_numpy(), colour="#4c78a8", ylim=(0, 1))}</div>')
+    if not len(layers):
+        layers = pd.Series(1 - np.nanmean(d, axis=1))
+    return (
+        f'<div class="molt-routing" style="display:flex">{svg_heatmap("rollout vs train disagreement (layer x token)", d)}'
+        f'{svg_bars("agreement per layer", layers.index, layers.to_numpy(), colour="#4c78a8", ylim=(0, 1))}</div>'
+    )
 
 # %% ../nbs/16_widgets.ipynb #38ba1551
 class Dashboard:
     "Live views of a run (a `Run` handle) or of a finished run's store (a `RunStore` or its directory)"
-    def __init__(self, source, refresh_s:float=1.0, scale:float=0.5, live:bool|None=None):
+
+    def __init__(self, source, refresh_s: float = 1.0, scale: float = 0.5, live: bool | None = None):
         self.source, self.refresh_s, self.scale = as_source(source), refresh_s, scale
-        self.metrics, self.samples, self.step, self.outliers, self.outlier_i = pd.DataFrame(columns=['step']), pd.DataFrame(), None, pd.DataFrame(), -1
+        self.metrics, self.samples, self.step, self.outliers, self.outlier_i = (
+            pd.DataFrame(columns=['step']),
+            pd.DataFrame(),
+            None,
+            pd.DataFrame(),
+            -1,
+        )
         cfg = self.source.config()
         self.level = cfg.get('algo', {}).get('loss', {}).get('is_correction', {}).get('level', 'off')
-        self._lock, self._local, self._stop, self.thread, self.errors, self._rows = threading.RLock(), threading.local(), threading.Event(), None, [], {}
-        self.run_status = {} # the run's last status, when it is not stepping: its state and why (a pause, a failed swap, a failure)
+        self._lock, self._local, self._stop, self.thread, self.errors, self._rows = (
+            threading.RLock(),
+            threading.local(),
+            threading.Event(),
+            None,
+            [],
+            {},
+        )
+        self.run_status = {}  # the run's last status, when it is not stepping: its state and why (a pause, a failed swap, a failure)
         self._build()
         self.refresh()
         if live if live is not None else not isinstance(self.source, StoreSource):
-            self.thread = threading.Thread(target=self._poll, daemon=True, name='molt-dashboard'); self.thread.start()
+            self.thread = threading.Thread(target=self._poll, daemon=True, name='molt-dashboard')
+            self.thread.start()
 
     def _ipython_display_(self):
         from IPython.display import display
+
         display(self.widget)
 
-    def close(self): self._stop.set()
+    def close(self):
+        self._stop.set()
 
     @contextmanager
     def _own(self):
         "Hold the lock, and mark widget changes made inside as the dashboard's own (the user handlers skip them)"
         with self._lock:
-            depth = getattr(self._local, 'depth', 0); self._local.depth = depth + 1
-            try: yield
-            finally: self._local.depth = depth
+            depth = getattr(self._local, 'depth', 0)
+            self._local.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._local.depth = depth
 
     def _on_user(self, fn):
         "A widget handler that runs `fn(change)` for the user's changes only"
+
         def handler(change=None):
-            if getattr(self._local, 'depth', 0): return
+            if getattr(self._local, 'depth', 0):
+                return
             with self._own():
-                try: fn(change)
-                except Exception as e: self._error(e)
+                try:
+                    fn(change)
+                except Exception as e:
+                    self._error(e)
+
         return handler
 
-    def _error(self, e:Exception):
+    def _error(self, e: Exception):
         self.errors = [*self.errors[-99:], f"{type(e).__name__}: {e}"]  # the last 100
         self._header()
 
 # %% ../nbs/16_widgets.ipynb #2f2e3f1f
 TABS = ('routing', 'groups', 'engines')
 
+
 @patch
-def _build(self:Dashboard):
+def _build(self: Dashboard):
     self.header, self.curves, self.hist, self.engines, self.routing = W.HTML(), W.HTML(), W.HTML(), W.HTML(), W.HTML()
     self.step_pick = W.IntSlider(description='step', min=0, max=0, continuous_update=False)
-    self.sample_pick, self.group_pick = W.Dropdown(description='sample', options=[]), W.Dropdown(description='group', options=[])
-    self.follow, self.next_outlier = W.Checkbox(value=True, description='follow newest step'), W.Button(description='next outlier')
+    self.sample_pick, self.group_pick = (
+        W.Dropdown(description='sample', options=[]),
+        W.Dropdown(description='group', options=[]),
+    )
+    self.follow, self.next_outlier = (
+        W.Checkbox(value=True, description='follow newest step'),
+        W.Button(description='next outlier'),
+    )
     self.tokens, self.routing_note, self.group_view = W.HTML(), W.HTML(), W.HTML()
     self.step_pick.observe(self._on_user(lambda ch: self._pick_step(ch['new'])), 'value')
-    self.follow.observe(self._on_user(lambda ch: ch['new'] and self.step_pick.max and self._show_step(self.step_pick.max)), 'value')
+    self.follow.observe(
+        self._on_user(lambda ch: ch['new'] and self.step_pick.max and self._show_step(self.step_pick.max)), 'value'
+    )
     self.sample_pick.observe(self._on_user(lambda ch: self._show_sample()), 'value')
     self.group_pick.observe(self._on_user(lambda ch: self._show_group()), 'value')
     self.next_outlier.on_click(self._on_user(lambda _: self._jump_outlier()))
     self.step_pick.layout.width, self.tokens.layout.width = '420px', '560px'
-    token_panel = W.VBox([W.HBox([self.step_pick, self.follow]), W.HBox([self.sample_pick, self.next_outlier]), W.HBox([self.tokens, self.hist])])
-    self.tabs = W.Tab([W.VBox([self.routing_note, self.routing]), W.VBox([self.group_pick, self.group_view]), self.engines], selected_index=0)
-    for i, t in enumerate(TABS): self.tabs.set_title(i, t)
+    token_panel = W.VBox(
+        [
+            W.HBox([self.step_pick, self.follow]),
+            W.HBox([self.sample_pick, self.next_outlier]),
+            W.HBox([self.tokens, self.hist]),
+        ]
+    )
+    self.tabs = W.Tab(
+        [W.VBox([self.routing_note, self.routing]), W.VBox([self.group_pick, self.group_view]), self.engines],
+        selected_index=0,
+    )
+    for i, t in enumerate(TABS):
+        self.tabs.set_title(i, t)
     self.tabs.observe(self._on_user(lambda ch: self._draw_tab()), 'selected_index')
     self.widget = W.VBox([W.HTML(STYLE), self.header, self.curves, token_panel, self.tabs])
     self.widget.add_class('molt-dashboard')
 
+
 @patch
-def _header(self:Dashboard):
+def _header(self: Dashboard):
     m = self.metrics
     newest = int(m.step.max()) if len(m) else -1
     reward = f" | reward {m.reward.iloc[-1]:.3f}" if len(m) and 'reward' in m else ''
-    err = f' | <span class="molt-error" style="color:#b2182b">{len(self.errors)} errors, last: {html.escape(self.errors[-1])}</span>' if self.errors else ''
+    err = (
+        f' | <span class="molt-error" style="color:#b2182b">{len(self.errors)} errors, last: {html.escape(self.errors[-1])}</span>'
+        if self.errors
+        else ''
+    )
     st, state = self.run_status, ''
     if st.get('state') not in (None, 'running'):
         why = f": {html.escape(st['reason'])}" if st.get('reason') else ''
         state = f' | <span class="molt-state" data-state="{st["state"]}" style="color:{"#b2182b" if st.get("failed_swap") or st["state"] == "failed" else "#555"}">{st["state"]}{why}</span>'
-    self.header.value = f'<div class="molt-status" data-step="{newest}"><b>step {max(newest, 0)}</b>{reward}{state}{err}</div>'
+    self.header.value = (
+        f'<div class="molt-status" data-step="{newest}"><b>step {max(newest, 0)}</b>{reward}{state}{err}</div>'
+    )
+
 
 @patch
-def poll_once(self:Dashboard) -> bool:
+def poll_once(self: Dashboard) -> bool:
     "One poll: take in new steps; when none came, ask whether the run has ended (one call a poll while it steps); whether to go on"
     try:
-        if self.refresh(): return True
+        if self.refresh():
+            return True
         st = self.source.status()
         if {k: st.get(k) for k in ('state', 'reason')} != {k: self.run_status.get(k) for k in ('state', 'reason')}:
-            with self._own(): self.run_status = st; self._header()
-        if st['state'] not in ('finished', 'stopped', 'failed'): return True
-        self.refresh(); return False
+            with self._own():
+                self.run_status = st
+                self._header()
+        if st['state'] not in ('finished', 'stopped', 'failed'):
+            return True
+        self.refresh()
+        return False
     except Exception as e:
-        with self._own(): self._error(e)
-        return not any(c.__name__ in ('RayActorError', 'ActorDiedError') for c in type(e).__mro__) # a dead run: stop polling
+        with self._own():
+            self._error(e)
+        return not any(
+            c.__name__ in ('RayActorError', 'ActorDiedError') for c in type(e).__mro__
+        )  # a dead run: stop polling
+
 
 @patch
-def _poll(self:Dashboard):
-    while not self._stop.wait(self.refresh_s) and self.poll_once(): pass
+def _poll(self: Dashboard):
+    while not self._stop.wait(self.refresh_s) and self.poll_once():
+        pass
+
 
 @patch
-def refresh(self:Dashboard) -> bool:
+def refresh(self: Dashboard) -> bool:
     "Fetch new metrics rows; redraw and follow the newest step if any arrived (the lock is never held across a call to the run)"
     last = lambda: int(self.metrics.step.max()) if len(self.metrics) else None
     new = self.source.metrics(since=last())
-    if not len(new): return False
+    if not len(new):
+        return False
     with self._own():
-        if last() is not None: new = new[new.step > last()] # a user's refresh may have taken some meanwhile
-        if not len(new): return False
+        if last() is not None:
+            new = new[new.step > last()]  # a user's refresh may have taken some meanwhile
+        if not len(new):
+            return False
         self.metrics = pd.concat([self.metrics, new], ignore_index=True) if len(self.metrics) else new
-        if self.run_status.get('state') == 'paused': self.run_status = {} # it steps again
+        if self.run_status.get('state') == 'paused':
+            self.run_status = {}  # it steps again
         self._header()
         self.curves.value = curves_html(self.metrics)
-        if self._tab() == 'engines': self._draw_tab()
+        if self._tab() == 'engines':
+            self._draw_tab()
         steps = self.metrics.step[self.metrics.step > 0]
-        if len(steps): self.step_pick.max = int(steps.max()); self.step_pick.min = int(steps.min())
+        if len(steps):
+            self.step_pick.max = int(steps.max())
+            self.step_pick.min = int(steps.min())
         newest = int(steps.max()) if len(steps) and self.follow.value else None
-    if newest is not None: self._show_step(newest)
+    if newest is not None:
+        self._show_step(newest)
     return True
 
 # %% ../nbs/16_widgets.ipynb #46dfcc49
 @patch
-def _pick_step(self:Dashboard, step:int):
+def _pick_step(self: Dashboard, step: int):
     "The user moved the step slider: stop following and show that step"
     self.follow.value = False
-    try: self._show_step(step)
+    try:
+        self._show_step(step)
     except Exception:
-        self.step_pick.value = self.step # the slider says which step is shown
+        self.step_pick.value = self.step  # the slider says which step is shown
         raise
 
+
 @patch
-def _show_step(self:Dashboard, step:int):
+def _show_step(self: Dashboard, step: int):
     samples = self.source.samples(step)  # outside the lock: a slow run never blocks the user's handlers
     with self._own():
         self.step, self.samples = step, samples
         self.step_pick.value = step
         self.outliers, self.outlier_i = outlier_tokens(self.samples), -1
         self.hist.value = ratios_svg(self.samples, self.scale)
-        s = self.samples if len(self.samples) else pd.DataFrame(columns=['rollout_id', 'group_id']) # a step with no samples (yet)
+        s = (
+            self.samples if len(self.samples) else pd.DataFrame(columns=['rollout_id', 'group_id'])
+        )  # a step with no samples (yet)
         for pick, opts in ((self.sample_pick, list(s.rollout_id)), (self.group_pick, list(dict.fromkeys(s.group_id)))):
             pick.options = opts
             pick.value = opts[0] if opts else None
         self._rows = dict(zip(s.rollout_id, s.to_dict('records')))
         self._show_sample()
-        if self._tab() == 'groups': self._draw_tab()
+        if self._tab() == 'groups':
+            self._draw_tab()
+
 
 @patch
-def _tab(self:Dashboard) -> str|None: return TABS[self.tabs.selected_index] if self.tabs.selected_index is not None else None
+def _tab(self: Dashboard) -> str | None:
+    return TABS[self.tabs.selected_index] if self.tabs.selected_index is not None else None
+
 
 @patch
-def _draw_tab(self:Dashboard):
+def _draw_tab(self: Dashboard):
     "Draw the tab on show (hidden tabs are drawn when the user opens them, not at every step)"
     tab = self._tab()
-    if tab == 'routing': self._show_sample()
-    elif tab == 'groups': self._show_group()
-    elif tab == 'engines': self.engines.value = engines_html(self.metrics)
+    if tab == 'routing':
+        self._show_sample()
+    elif tab == 'groups':
+        self._show_group()
+    elif tab == 'engines':
+        self.engines.value = engines_html(self.metrics)
+
 
 @patch
-def _row(self:Dashboard, rollout_id) -> dict|None: return self._rows.get(rollout_id)
+def _row(self: Dashboard, rollout_id) -> dict | None:
+    return self._rows.get(rollout_id)
+
 
 @patch
-def _show_sample(self:Dashboard, highlight:int|None=None):
+def _show_sample(self: Dashboard, highlight: int | None = None):
     row = self._row(self.sample_pick.value)
     self.tokens.value = token_html(row, self.level, self.scale, highlight) if row is not None else ''
-    if self._tab() != 'routing': return
+    if self._tab() != 'routing':
+        return
     if row is None or not has_routes(self.samples):
-        self.routing_note.value, self.routing.value = 'dense run: no routes in these samples (routing views need an MoE run with route capture)', ''
+        self.routing_note.value, self.routing.value = (
+            'dense run: no routes in these samples (routing views need an MoE run with route capture)',
+            '',
+        )
         return
     m = self.metrics[self.metrics.step == self.step]
     mrow = m.iloc[-1] if len(m) else None
@@ -449,10 +686,12 @@ def _show_sample(self:Dashboard, highlight:int|None=None):
     self.routing_note.value = f"routing replay: <b>{replay}</b> | step agreement {mrow.get('routing/agreement', float('nan')) if mrow is not None else float('nan'):.4f}"
     self.routing.value = routing_html(row, mrow)
 
+
 @patch
-def _jump_outlier(self:Dashboard):
+def _jump_outlier(self: Dashboard):
     "Show the sample holding the next largest |log ratio| token, that token outlined"
-    if not len(self.outliers): return
+    if not len(self.outliers):
+        return
     with self._own():
         self.outlier_i = (self.outlier_i + 1) % len(self.outliers)
         o = self.outliers.iloc[self.outlier_i]
@@ -460,9 +699,17 @@ def _jump_outlier(self:Dashboard):
         self.sample_pick.value = o.rollout_id
         self._show_sample(highlight=int(o.position))
 
+
 @patch
-def _show_group(self:Dashboard):
-    if self.group_pick.value is None or not len(self.samples): self.group_view.value = ''; return
+def _show_group(self: Dashboard):
+    if self.group_pick.value is None or not len(self.samples):
+        self.group_view.value = ''
+        return
     g = group_table(self.samples, self.group_pick.value)
-    rows = ''.join(f"<tr><td>{html.escape(r.rollout_id)}</td><td>{r.reward:.3f}</td><td>{r.advantage:+.3f}</td><td>{token_html(self._row(r.rollout_id), self.level, self.scale)}</td></tr>" for r in g.itertuples())
-    self.group_view.value = f"<table><tr><th>rollout</th><th>reward</th><th>advantage</th><th>tokens</th></tr>{rows}</table>"
+    rows = ''.join(
+        f"<tr><td>{html.escape(r.rollout_id)}</td><td>{r.reward:.3f}</td><td>{r.advantage:+.3f}</td><td>{token_html(self._row(r.rollout_id), self.level, self.scale)}</td></tr>"
+        for r in g.itertuples()
+    )
+    self.group_view.value = (
+        f"<table><tr><th>rollout</th><th>reward</th><th>advantage</th><th>tokens</th></tr>{rows}</table>"
+    )

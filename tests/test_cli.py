@@ -1,4 +1,5 @@
 """The README's main-job command, run as a user would."""
+
 import re, subprocess, sys, os
 from pathlib import Path
 
@@ -17,24 +18,32 @@ def token_rows(stdout):
     lines = stdout.splitlines()
     reasons = {int(m[1]): m[2] for m in (re.match(r"request (\d+): .* \((\w+)\)$", l) for l in lines) if m}
     header = next(i for i, l in enumerate(lines) if l.split()[:3] == ["request", "position", "text"])
-    return reasons, [l.split() for l in lines[header + 1:]]
+    return reasons, [l.split() for l in lines[header + 1 :]]
 
 
 def test_molt_nb_sample_prints_a_token_table():
-    out = subprocess.run([BIN / "molt-nb", "sample", "--max-tokens", "24", "--update-at", "3"], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [BIN / "molt-nb", "sample", "--max-tokens", "24", "--update-at", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr
     reasons, rows = token_rows(out.stdout)
-    assert len(reasons) == 3 # three default prompts
-    for req, reason in reasons.items(): # 24 tokens each, unless the request sampled EOS
+    assert len(reasons) == 3  # three default prompts
+    for req, reason in reasons.items():  # 24 tokens each, unless the request sampled EOS
         ids = [int(r[3]) for r in rows if r[0] == str(req)]
-        if reason == "length": assert len(ids) == 24
-        else: assert reason == "stop" and ids[-1] == EOS and len(ids) <= 24
+        if reason == "length":
+            assert len(ids) == 24
+        else:
+            assert reason == "stop" and ids[-1] == EOS and len(ids) <= 24
     versions = {int(r[-1]) for r in rows}
     assert versions <= {0, 1}
-    if "length" in reasons.values(): assert versions == {0, 1} # the weight update landed while requests were in flight
-    assert all(float(r[-2]) <= 0 for r in rows) # logprobs
-    for req in range(3): # per request, versions never go back
+    if "length" in reasons.values():
+        assert versions == {0, 1}  # the weight update landed while requests were in flight
+    assert all(float(r[-2]) <= 0 for r in rows)  # logprobs
+    for req in range(3):  # per request, versions never go back
         v = [int(r[-1]) for r in rows if r[0] == str(req)]
         assert v == sorted(v)
 
@@ -44,7 +53,7 @@ def test_molt_nb_sample_stops_at_eos(monkeypatch, capsys):
     tok = build_tokenizer()
     model = tiny_dense(tok)
     # +50 on EOS's logit in every lm_head call: the prefill's, so each request's first token is EOS
-    boost = lambda m, i, out: out.index_add(-1, torch.tensor([EOS]), torch.full_like(out[..., :1], 50.))
+    boost = lambda m, i, out: out.index_add(-1, torch.tensor([EOS]), torch.full_like(out[..., :1], 50.0))
     model.lm_head.register_forward_hook(boost)
     monkeypatch.setattr(cli, "_load", lambda name, seed: (model, tok))
     cli.main(["sample", "--max-tokens", "8", "--update-at", "-1"])
@@ -72,13 +81,21 @@ PARITY = Path(__file__).resolve().parents[1] / "recipes" / "parity"
 
 def test_train_flags_go_anywhere(capsys):
     "`--no-control` before, after or between the overrides: every override is kept, so both typos are named (argparse blames nothing)."
-    for argv in (["train", str(PARITY), "--no-control", "loop.stepz=1", "loop.sead=2"],
-                 ["train", "--no-control", str(PARITY), "loop.stepz=1", "loop.sead=2"],
-                 ["train", str(PARITY), "loop.stepz=1", "--no-control", "loop.sead=2"]):
-        with pytest.raises(SystemExit) as e: cli.main(argv)
+    for argv in (
+        ["train", str(PARITY), "--no-control", "loop.stepz=1", "loop.sead=2"],
+        ["train", "--no-control", str(PARITY), "loop.stepz=1", "loop.sead=2"],
+        ["train", str(PARITY), "loop.stepz=1", "--no-control", "loop.sead=2"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
         msg = str(e.value.code)
-        assert "2 mistakes" in msg and "loop.stepz: did you mean loop.steps?" in msg and "loop.sead: did you mean loop.seed?" in msg, msg
+        assert (
+            "2 mistakes" in msg
+            and "loop.stepz: did you mean loop.steps?" in msg
+            and "loop.sead: did you mean loop.seed?" in msg
+        ), msg
     args = cli._parse(["train", "r", "a=1", "--no-control", "b=2"])
     assert (args.recipe, args.overrides, args.no_control) == ("r", ["a=1", "b=2"], True)
-    with pytest.raises(SystemExit): cli._parse(["train", "r", "--no-contrl"])  # an unknown flag is still refused
+    with pytest.raises(SystemExit):
+        cli._parse(["train", "r", "--no-contrl"])  # an unknown flag is still refused
     assert "unrecognized arguments: --no-contrl" in capsys.readouterr().err

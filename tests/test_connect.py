@@ -1,10 +1,12 @@
 """`connect()` as a new user meets it (issue 15): a fresh kernel with no `RAY_*` variable and no token file reaches a
 token-auth `ray start --head` through Ray Client with only the address and the token, wherever the token comes from and
 whatever was imported first; a wrong or stale token, or a version mismatch, is an error that says so within seconds."""
+
 import json, os, subprocess, sys, tempfile, textwrap, uuid
 from pathlib import Path
 import psutil, pytest
 from test_controller import RAY, ROOT, free_port, session_processes, stop_session
+
 
 @pytest.fixture(scope='module')
 def head(tmp_path_factory):
@@ -14,16 +16,41 @@ def head(tmp_path_factory):
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps --node-ip-address=127.0.0.1 (ray start otherwise swaps in the
     # machine's address), and only then do GCS and raylet listen on loopback alone (the notebook's docs say so)
     env = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')} | dict(
-        RAY_AUTH_MODE='token', RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0', RAY_USAGE_STATS_ENABLED='0',
-        HOME=str(tmp_path_factory.mktemp('head-home')))
-    ports = [f'--{flag}={free_port()}' for flag in ('node-manager-port', 'object-manager-port', 'dashboard-agent-listen-port',
-             'dashboard-agent-grpc-port', 'runtime-env-agent-port', 'metrics-export-port')]
-    cmd = [RAY, 'start', '--head', '--node-ip-address=127.0.0.1', f'--port={gcs_port}', f'--ray-client-server-port={client_port}',
-           *ports, '--num-cpus=1', f'--temp-dir={temp_dir}', '--include-dashboard=false', '--disable-usage-stats']
+        RAY_AUTH_MODE='token',
+        RAY_AUTH_TOKEN=token,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0',
+        RAY_USAGE_STATS_ENABLED='0',
+        HOME=str(tmp_path_factory.mktemp('head-home')),
+    )
+    ports = [
+        f'--{flag}={free_port()}'
+        for flag in (
+            'node-manager-port',
+            'object-manager-port',
+            'dashboard-agent-listen-port',
+            'dashboard-agent-grpc-port',
+            'runtime-env-agent-port',
+            'metrics-export-port',
+        )
+    ]
+    cmd = [
+        RAY,
+        'start',
+        '--head',
+        '--node-ip-address=127.0.0.1',
+        f'--port={gcs_port}',
+        f'--ray-client-server-port={client_port}',
+        *ports,
+        '--num-cpus=1',
+        f'--temp-dir={temp_dir}',
+        '--include-dashboard=false',
+        '--disable-usage-stats',
+    ]
     marks = [temp_dir, f"127.0.0.1:{gcs_port}"]
     for attempt in range(3):  # Ray waits a fixed 30 s for its raylet, which a loaded 2-core machine can miss
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-        if out.returncode == 0 or 'timed out during startup' not in out.stderr: break
+        if out.returncode == 0 or 'timed out during startup' not in out.stderr:
+            break
         stop_session(marks)
     try:
         assert out.returncode == 0, out.stderr[-3000:]
@@ -33,15 +60,29 @@ def head(tmp_path_factory):
         # side, seen in 2 of 4 runs here); the tests below time what a kernel meets on a head that is up
         kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path_factory.mktemp('warm-up'))
         yield address, token, marks
-    finally: stop_session(marks)
+    finally:
+        stop_session(marks)
 
-def kernel(code:str, home:Path, **env) -> dict:
+
+def kernel(code: str, home: Path, **env) -> dict:
     "Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test writes one)"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')} | dict(HOME=str(home), PYTHONPATH=str(ROOT)) | env
+    clean = (
+        {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
+        | dict(HOME=str(home), PYTHONPATH=str(ROOT))
+        | env
+    )
     prelude = 'import json, os, sys, time\nfrom molt_nb.controller import connect\n' + ATTEMPT
-    p = subprocess.run([sys.executable, '-c', prelude + textwrap.dedent(code)], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [sys.executable, '-c', prelude + textwrap.dedent(code)],
+        env=clean,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
 
 # one connect attempt: the seconds connect took (to return or raise), and the answer of a trivial task on the cluster or the error
 ATTEMPT = '''
@@ -59,13 +100,17 @@ def attempt(*args, **kw):
     return out
 '''
 
+
 def test_head_listens_on_loopback_only(head):
     "What the docs promise for a one-machine head: no port of the session is reachable from outside"
     listening = []
     for p in session_processes(head[2]):
-        try: listening += [c.laddr.ip for c in p.net_connections('tcp') if c.status == psutil.CONN_LISTEN]
-        except psutil.Error: pass
+        try:
+            listening += [c.laddr.ip for c in p.net_connections('tcp') if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
     assert listening and all(ip in ('127.0.0.1', '::ffff:127.0.0.1') for ip in listening), listening
+
 
 def test_fresh_kernel_connects_with_address_and_token(head, tmp_path):
     address, token, _ = head
@@ -74,11 +119,12 @@ def test_fresh_kernel_connects_with_address_and_token(head, tmp_path):
     assert out['seconds'] < 20, out
     assert out['env_kept'], out  # the token passed to connect() is not left in os.environ
 
+
 def test_connects_after_ray_was_imported_and_read_a_stale_token(head, tmp_path):
     "`import ray` first, and Ray already loaded (and cached) the stale ~/.ray/auth_token a local Ray left behind"
     address, token, _ = head
-    (tmp_path/'.ray').mkdir()
-    (tmp_path/'.ray'/'auth_token').write_text('stale' + uuid.uuid4().hex)
+    (tmp_path / '.ray').mkdir()
+    (tmp_path / '.ray' / 'auth_token').write_text('stale' + uuid.uuid4().hex)
     code = f'''
     import ray
     from ray._raylet import AuthenticationTokenLoader
@@ -89,44 +135,52 @@ def test_connects_after_ray_was_imported_and_read_a_stale_token(head, tmp_path):
     assert out.get('answer') == 42, out
     assert out['seconds'] < 20, out
 
+
 @pytest.mark.parametrize('where', ['RAY_AUTH_TOKEN', 'RAY_AUTH_TOKEN_PATH', '~/.ray/auth_token'])
 def test_token_from_the_environment_or_a_file(head, tmp_path, where):
     address, token, _ = head
-    home = tmp_path/'home'
-    if where == 'RAY_AUTH_TOKEN': env = dict(RAY_AUTH_TOKEN=token)
+    home = tmp_path / 'home'
+    if where == 'RAY_AUTH_TOKEN':
+        env = dict(RAY_AUTH_TOKEN=token)
     elif where == 'RAY_AUTH_TOKEN_PATH':
-        (tmp_path/'token').write_text(token)
-        env = dict(RAY_AUTH_TOKEN_PATH=str(tmp_path/'token'))
+        (tmp_path / 'token').write_text(token)
+        env = dict(RAY_AUTH_TOKEN_PATH=str(tmp_path / 'token'))
     else:
-        (home/'.ray').mkdir(parents=True)
-        (home/'.ray'/'auth_token').write_text(token)
+        (home / '.ray').mkdir(parents=True)
+        (home / '.ray' / 'auth_token').write_text(token)
         env = {}
     out = kernel(f"print(json.dumps(attempt({address!r})))", home, **env)
     assert out.get('answer') == 42, out
     assert out['seconds'] < 20, out
 
+
 def test_wrong_or_stale_token_says_so_and_where_it_came_from(head, tmp_path):
     address, token, _ = head
-    (tmp_path/'.ray').mkdir()
-    (tmp_path/'.ray'/'auth_token').write_text(uuid.uuid4().hex)  # a token of another (earlier) cluster
-    (tmp_path/'token').write_text(uuid.uuid4().hex)
+    (tmp_path / '.ray').mkdir()
+    (tmp_path / '.ray' / 'auth_token').write_text(uuid.uuid4().hex)  # a token of another (earlier) cluster
+    (tmp_path / 'token').write_text(uuid.uuid4().hex)
     code = f'''
     import os
     out = dict(argument=attempt({address!r}, token='not-the-token'), home=attempt({address!r}))
-    os.environ['RAY_AUTH_TOKEN_PATH'] = {str(tmp_path/'token')!r}
+    os.environ['RAY_AUTH_TOKEN_PATH'] = {str(tmp_path / 'token')!r}
     out['path'] = attempt({address!r})
     os.environ['RAY_AUTH_TOKEN'] = 'not-the-token-either'
     out['variable'] = attempt({address!r})
     print(json.dumps(out))
     '''
     out = kernel(code, tmp_path)
-    where = dict(argument='the token passed to connect()', home=str(tmp_path/'.ray'/'auth_token'),
-                 path=f"RAY_AUTH_TOKEN_PATH names ({tmp_path/'token'})", variable='the RAY_AUTH_TOKEN variable')
+    where = dict(
+        argument='the token passed to connect()',
+        home=str(tmp_path / '.ray' / 'auth_token'),
+        path=f"RAY_AUTH_TOKEN_PATH names ({tmp_path / 'token'})",
+        variable='the RAY_AUTH_TOKEN variable',
+    )
     for case, said in where.items():
         assert 'error' in out[case] and 'refused the auth token' in out[case]['error'], (case, out[case])
         assert said in out[case]['error'] and 'ray get-auth-token' in out[case]['error'], (case, out[case])
         assert out[case]['seconds'] < 10, (case, out[case])
     assert 'left from an earlier' in out['home']['error']
+
 
 def test_version_mismatch_is_reported(head, tmp_path):
     "Ray Client refuses another Ray version; connect compares molt_nb on the cluster's workers with the kernel's"
@@ -147,9 +201,11 @@ def test_version_mismatch_is_reported(head, tmp_path):
     assert 'Version mismatch' in out['ray'].get('error', '') and 'pip install' in out['ray']['error'], out['ray']
     assert out['after'].get('answer') == 42, out['after']  # a failed check leaves nothing behind
 
+
 def test_local_ray_listens_on_loopback_only(tmp_path):
     "connect() with no address (start_ray) keeps the private Ray on loopback, and this process's own settings as they were"
-    out = kernel('''
+    out = kernel(
+        '''
     import os, tempfile, psutil, ray
     from ray._private import ray_constants
     from molt_nb.loop import start_ray
@@ -161,16 +217,22 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
         except psutil.Error: pass
     print(json.dumps(dict(ips=sorted(ips), variable=os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), clusters=ray_constants.ENABLE_RAY_CLUSTER)))
     ray.shutdown()
-    ''', tmp_path)
+    ''',
+        tmp_path,
+    )
     assert out['ips'] and set(out['ips']) <= {'127.0.0.1', '::ffff:127.0.0.1'}, out
     assert out['variable'] is None and out['clusters'] is True, out
 
+
 def test_no_server_at_the_address_says_what_to_check(tmp_path):
     "Nothing listens on the port (a wrong port, a closed firewall, no tunnel): an error saying so, not Ray Client's 30 s timeout"
-    out = kernel(f'''
+    out = kernel(
+        f'''
     import molt_nb.controller
     molt_nb.controller.PING_SECONDS = 2
     print(json.dumps(attempt('ray://127.0.0.1:{free_port()}', token='any')))
-    ''', tmp_path)
+    ''',
+        tmp_path,
+    )
     assert 'no Ray Client server answered' in out.get('error', '') and 'ssh -N -L' in out['error'], out
     assert out['seconds'] < 10, out

@@ -1,4 +1,5 @@
 """TorchEngine under load: the invariants hold while rows join, leave, queue and change weights."""
+
 import asyncio, copy, math, random
 
 import pytest
@@ -15,8 +16,15 @@ MODELS = {"dense": lambda: tiny_dense(), "moe": lambda: tiny_moe(dense_layers=(0
 def random_requests(n, seed):
     rng = random.Random(seed)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-    sps = [SamplingParams(temperature=rng.choice([0.0, 0.6, 1.0, 1.5]), top_k=rng.choice([-1, 3, 50]),
-                          top_p=rng.choice([1.0, 0.9, 0.5]), max_tokens=rng.randint(1, 48)) for _ in range(n)]
+    sps = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.6, 1.0, 1.5]),
+            top_k=rng.choice([-1, 3, 50]),
+            top_p=rng.choice([1.0, 0.9, 0.5]),
+            max_tokens=rng.randint(1, 48),
+        )
+        for _ in range(n)
+    ]
     return prompts, sps
 
 
@@ -25,30 +33,38 @@ async def run_staggered(engine, prompts, sps, seed):
     rng, tasks = random.Random(seed), []
     for p, sp in zip(prompts, sps):
         tasks.append(asyncio.create_task(engine.generate(p, sp)))
-        if rng.random() < 0.5: await asyncio.sleep(rng.random() * 0.01)
+        if rng.random() < 0.5:
+            await asyncio.sleep(rng.random() * 0.01)
     return await asyncio.gather(*tasks)
 
 
 async def sampled(engine, n, timeout_s=60):
     "Wait until the engine has sampled `n` tokens; a stalled engine fails the test after `timeout_s`, never hangs it."
+
     async def poll():
-        while engine.stats["tokens"] < n: await asyncio.sleep(0.001)
+        while engine.stats["tokens"] < n:
+            await asyncio.sleep(0.001)
+
     await asyncio.wait_for(poll(), timeout_s)
 
 
 def full_forward(model, prompt, gen):
     "Logits and top-k routes of one full forward over prompt + sampled tokens."
     routes = {}
-    hooks = [g.register_forward_hook(lambda m, i, o, l=l: routes.__setitem__(l, o[2])) for l, g in moe_gates(model).items()]
-    with torch.no_grad(): logits = model(torch.cat([torch.tensor(prompt), gen.token_ids])[None]).logits[0]
-    for h in hooks: h.remove()
+    hooks = [
+        g.register_forward_hook(lambda m, i, o, l=l: routes.__setitem__(l, o[2])) for l, g in moe_gates(model).items()
+    ]
+    with torch.no_grad():
+        logits = model(torch.cat([torch.tensor(prompt), gen.token_ids])[None]).logits[0]
+    for h in hooks:
+        h.remove()
     return logits, routes
 
 
 @pytest.mark.parametrize("kind", MODELS)
 def test_logprobs_and_routes_match_a_full_forward(kind):
     model = MODELS[kind]()
-    engine = TorchEngine(copy.deepcopy(model), max_batch=8, seed=1) # a small batch forces queueing
+    engine = TorchEngine(copy.deepcopy(model), max_batch=8, seed=1)  # a small batch forces queueing
     prompts, sps = random_requests(40, seed=2)
     gens = asyncio.run(run_staggered(engine, prompts, sps, seed=3))
     engine.close()
@@ -56,14 +72,16 @@ def test_logprobs_and_routes_match_a_full_forward(kind):
     for p, g, sp in zip(prompts, gens, sps):
         assert g.finish_reason == "length" and len(g) == sp.max_tokens
         logits, routes = full_forward(model, p, g)
-        want = token_logprobs(logits[len(p) - 1:-1], g.token_ids, sp.temperature, sp.top_k, sp.top_p)
+        want = token_logprobs(logits[len(p) - 1 : -1], g.token_ids, sp.temperature, sp.top_k, sp.top_p)
         torch.testing.assert_close(g.logprobs, want, atol=1e-5, rtol=0)
-        if sp.temperature == 0: assert (g.token_ids == logits[len(p) - 1:-1].argmax(-1)).all()
+        if sp.temperature == 0:
+            assert (g.token_ids == logits[len(p) - 1 : -1].argmax(-1)).all()
         if kind == "moe":
             assert g.routes.shape == (len(p) + len(g), 2, 2)
-            assert (g.routes[:, 0] == -1).all() and (g.routes[-1] == -1).all() # dense layer 0; last token never fed
+            assert (g.routes[:, 0] == -1).all() and (g.routes[-1] == -1).all()  # dense layer 0; last token never fed
             assert torch.equal(g.routes[:-1, 1], routes[1][:-1].to(torch.int16))
-        else: assert g.routes is None
+        else:
+            assert g.routes is None
 
 
 def test_collated_batch_scores_the_sampled_tokens():
@@ -76,7 +94,8 @@ def test_collated_batch_scores_the_sampled_tokens():
     engine.close()
     segs = [Segment.prompt(p).extend(g.token_ids, g.logprobs, g.versions) for p, g in zip(prompts, gens)]
     batch = collate([Trajectory(f"r{i}", "g", i, [s]) for i, s in enumerate(segs)], vocab_size=model.config.vocab_size)
-    with torch.no_grad(): logits = model(batch.input_ids, attention_mask=batch.attention_mask.long()).logits[:, :-1]
+    with torch.no_grad():
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask.long()).logits[:, :-1]
     recomputed = token_logprobs(logits, batch.input_ids[:, 1:])
     assert batch.action_mask.sum() == 60
     torch.testing.assert_close(recomputed[batch.action_mask], batch.logprobs[batch.action_mask], atol=1e-5, rtol=0)
@@ -88,7 +107,7 @@ def test_many_requests_in_flight_across_a_weight_load():
     engine = TorchEngine(copy.deepcopy(model), max_batch=6, seed=0)
     V = model.config.vocab_size
     flat = {k: v.clone() for k, v in model.state_dict().items()}
-    flat["model.norm.weight"].zero_() # every logit 0: logprob exactly -log V afterwards
+    flat["model.norm.weight"].zero_()  # every logit 0: logprob exactly -log V afterwards
 
     async def go():
         tasks = [asyncio.create_task(engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=60))) for i in range(10)]
@@ -100,8 +119,8 @@ def test_many_requests_in_flight_across_a_weight_load():
 
     gens = asyncio.run(go())
     engine.close()
-    assert any((g.versions == 0).any() and (g.versions == 7).any() for g in gens) # some straddle the load
-    assert any((g.versions == 7).all() for g in gens) # queued ones start after it
+    assert any((g.versions == 0).any() and (g.versions == 7).any() for g in gens)  # some straddle the load
+    assert any((g.versions == 7).all() for g in gens)  # queued ones start after it
     for g in gens:
         assert len(g) == 60
         switch = int((g.versions == 0).sum())
@@ -116,8 +135,12 @@ def test_bf16_engine_disagrees_measurably_with_fp32():
     prompts, _ = random_requests(8, seed=9)
     gens = asyncio.run(run_staggered(engine, prompts, [SamplingParams(max_tokens=16)] * 8, seed=1))
     engine.close()
-    gap = torch.cat([(token_logprobs(full_forward(model, p, g)[0][len(p) - 1:-1], g.token_ids) - g.logprobs).abs()
-                     for p, g in zip(prompts, gens)])
+    gap = torch.cat(
+        [
+            (token_logprobs(full_forward(model, p, g)[0][len(p) - 1 : -1], g.token_ids) - g.logprobs).abs()
+            for p, g in zip(prompts, gens)
+        ]
+    )
     assert 1e-5 < gap.max() < 0.5
 
 
@@ -140,17 +163,20 @@ def test_a_failing_admit_fails_only_its_request():
     engine = TorchEngine(tiny_dense(), seed=0)
     bad, real, prefills = [7, 7, 7, 7, 7], engine._forward, []
 
-    def forward(ids, pos, mask, cache): # an OOM, say, in any prefill (a fresh cache) holding the bad prompt
-        if cache.length == 0: prefills.append(len(ids))
-        if cache.length == 0 and any(row[-5:].tolist() == bad for row in ids): raise MemoryError("simulated OOM")
+    def forward(ids, pos, mask, cache):  # an OOM, say, in any prefill (a fresh cache) holding the bad prompt
+        if cache.length == 0:
+            prefills.append(len(ids))
+        if cache.length == 0 and any(row[-5:].tolist() == bad for row in ids):
+            raise MemoryError("simulated OOM")
         return real(ids, pos, mask, cache)
+
     engine._forward = forward
 
     async def go():
         long, short = SamplingParams(max_tokens=200), SamplingParams(max_tokens=10)
         running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(3)]
         await sampled(engine, 6)
-        await engine.pause() # queue three requests while paused, so they are admitted as one batch
+        await engine.pause()  # queue three requests while paused, so they are admitted as one batch
         assert len(engine._reqs) == 3, "the running rows ended before the pause: the test would check nothing"
         late = [asyncio.create_task(engine.generate(p, short)) for p in ([4, 5], bad, [6])]
         await asyncio.sleep(0.02)
@@ -161,13 +187,14 @@ def test_a_failing_admit_fails_only_its_request():
     engine.close()
     assert isinstance(out[4], MemoryError)
     assert [len(g) for i, g in enumerate(out) if i != 4] == [200, 200, 200, 10, 10]
-    assert prefills[-4:] == [3, 1, 1, 1] # the late batch, then its requests one by one
+    assert prefills[-4:] == [3, 1, 1, 1]  # the late batch, then its requests one by one
 
 
 def test_admission_joins_the_running_batch_once():
     "Newcomers in several prefill groups are merged with each other, then with the running rows once."
     engine = TorchEngine(tiny_dense(), seed=0)
     merges, real = [], SlotCache.merge
+
     def merge(a, b, headroom=0):
         merges.append(len(a))
         return real(a, b, headroom)
@@ -176,17 +203,20 @@ def test_admission_joins_the_running_batch_once():
         long = SamplingParams(max_tokens=300)
         running = [asyncio.create_task(engine.generate([1, 2, 3 + i], long)) for i in range(8)]
         await sampled(engine, 16)
-        await engine.pause() # three newcomers, one per length bucket: three prefills
+        await engine.pause()  # three newcomers, one per length bucket: three prefills
         late = [asyncio.create_task(engine.generate([5] * n, SamplingParams(max_tokens=4))) for n in (3, 100, 300)]
         await asyncio.sleep(0.02)
         SlotCache.merge = merge
-        try: await engine.resume(); return await asyncio.gather(*running, *late)
-        finally: SlotCache.merge = real
+        try:
+            await engine.resume()
+            return await asyncio.gather(*running, *late)
+        finally:
+            SlotCache.merge = real
 
     gens = asyncio.run(go())
     engine.close()
     assert [len(g) for g in gens] == [300] * 8 + [4] * 3
-    assert sum(n >= 8 for n in merges) == 1, merges # the running cache was copied once, not once per prefill
+    assert sum(n >= 8 for n in merges) == 1, merges  # the running cache was copied once, not once per prefill
 
 
 def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its_rows():
@@ -195,11 +225,14 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
     engine = TorchEngine(copy.deepcopy(model), seed=0)
     new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
     refills, real = [], engine._prefill
+
     def prefill(seqs):
-        if engine.version == 1: # the refill: the only prefill after the load
+        if engine.version == 1:  # the refill: the only prefill after the load
             refills.append([len(s) for s in seqs])
-            if max(len(s) for s in seqs) > 150: raise MemoryError("simulated OOM in the refill of the long row")
+            if max(len(s) for s in seqs) > 150:
+                raise MemoryError("simulated OOM in the refill of the long row")
         return real(seqs)
+
     engine._prefill = prefill
 
     async def go():
@@ -208,15 +241,15 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
         await sampled(engine, 10)
         await engine.pause()
         items = list(new.items())
-        await engine.load_weights(items[:len(items) // 2], version=1) # a sync in two parts ...
-        await engine.load_weights(items[len(items) // 2:], version=1)
-        await engine.resume() # ... refills once
+        await engine.load_weights(items[: len(items) // 2], version=1)  # a sync in two parts ...
+        await engine.load_weights(items[len(items) // 2 :], version=1)
+        await engine.resume()  # ... refills once
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     short, long = asyncio.run(go())
     engine.close()
     assert isinstance(long, MemoryError) and len(short) == 60, (short, long)
-    assert len(refills) == 2 and sorted(len(r) for r in refills) == [1, 1], refills # one refill: two length groups
+    assert len(refills) == 2 and sorted(len(r) for r in refills) == [1, 1], refills  # one refill: two length groups
     model.load_state_dict(new)
     logits = full_forward(model, [1, 2, 3], short)[0][2:-1]
     after = short.versions == 1

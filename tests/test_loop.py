@@ -1,4 +1,5 @@
 """The RL loop on a real local Ray: token identity, staleness, partial rollouts, failing agents, kill and resume."""
+
 import json, math, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest, torch
@@ -7,15 +8,18 @@ from molt_nb.loop import launch, RunStore
 from molt_nb.actor import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-PARITY = ROOT/'recipes'/'parity'
+PARITY = ROOT / 'recipes' / 'parity'
+
 
 def config(tmp_path, *overrides, recipe=PARITY):
-    return load_config(recipe, ['loop.eval_tasks=16', 'loop.debug=true', f'run_dir="{tmp_path/"run"}"', *overrides])
+    return load_config(recipe, ['loop.eval_tasks=16', 'loop.debug=true', f'run_dir="{tmp_path / "run"}"', *overrides])
 
-def trained_ages(store:RunStore) -> list:
+
+def trained_ages(store: RunStore) -> list:
     "For every trained token, how many versions older than the trainer it was (step s trains at version s-1)"
     s = store.samples()
     return [step - 1 - v for step, vs in zip(s.step, s.versions) for v in vs]
+
 
 def test_token_identity_sync(ray_local, tmp_path):
     run = launch(config(tmp_path, 'loop.steps=4', 'loop.mode="sync"'))
@@ -23,18 +27,31 @@ def test_token_identity_sync(ray_local, tmp_path):
     m = run.store.metrics().iloc[1:]
     assert row['version'] == 4 and list(m.step) == [1, 2, 3, 4]
     assert (m.identity_checked == m['train/tokens']).all()  # every trained token was checked against the engine
-    assert set(trained_ages(run.store)) == {0}               # strictly on-policy
+    assert set(trained_ages(run.store)) == {0}  # strictly on-policy
+
 
 def test_async_staleness_bound(ray_local, tmp_path):
-    run = launch(config(tmp_path, 'loop.steps=8', 'loop.mode="async"', 'loop.max_staleness=1', 'rollout.groups_in_flight=16'))
+    run = launch(
+        config(tmp_path, 'loop.steps=8', 'loop.mode="async"', 'loop.max_staleness=1', 'rollout.groups_in_flight=16')
+    )
     run.wait()
     ages = trained_ages(run.store)
     assert ages and max(ages) <= 1 and min(ages) >= 0
     m = run.store.metrics().iloc[1:]
     assert (m.identity_checked == m['train/tokens']).all()
 
+
 def test_partial_rollout_two_versions(ray_local, tmp_path):
-    run = launch(config(tmp_path, 'loop.steps=6', 'loop.mode="partial"', 'loop.max_staleness=8', 'rollout.max_tokens=48', 'rollout.groups_in_flight=16'))
+    run = launch(
+        config(
+            tmp_path,
+            'loop.steps=6',
+            'loop.mode="partial"',
+            'loop.max_staleness=8',
+            'rollout.max_tokens=48',
+            'rollout.groups_in_flight=16',
+        )
+    )
     row = run.wait()
     s = run.store.samples()
     mixed = s[s.versions.map(lambda v: len(set(v)) > 1)]
@@ -44,6 +61,7 @@ def test_partial_rollout_two_versions(ray_local, tmp_path):
     assert (m.identity_checked == m['train/tokens']).all()  # each token's version is the one the engine stamped
     assert all(math.isfinite(x) for x in m['train/loss']) and all(math.isfinite(x) for x in m['train/ratio_p50'])
     assert row['version'] == 6
+
 
 FAULTY = '''
 import asyncio
@@ -68,10 +86,12 @@ def AgentRunner(tokenizer):
     return StepEnvRunner(Faulty, tokenizer, max_context=32, template=False)
 '''
 
+
 def test_raising_and_hanging_agent_cost_one_rollout_each(ray_local, tmp_path):
-    recipe = tmp_path/'faulty'; recipe.mkdir()
-    (recipe/'agent.py').write_text(FAULTY)
-    (recipe/'recipe.toml').write_text((PARITY/'recipe.toml').read_text())
+    recipe = tmp_path / 'faulty'
+    recipe.mkdir()
+    (recipe / 'agent.py').write_text(FAULTY)
+    (recipe / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
     run = launch(config(tmp_path, 'loop.steps=3', 'loop.mode="sync"', 'rollout.timeout_s=2', recipe=recipe))
     row = run.wait()
     assert row['step'] == 3
@@ -81,28 +101,34 @@ def test_raising_and_hanging_agent_cost_one_rollout_each(ray_local, tmp_path):
     sizes = run.store.samples().groupby('group_id').size().tolist()
     assert sorted(sizes) == [3, 3] + [4] * (len(sizes) - 2)  # two groups trained on 3 of their 4 samples
 
+
 def test_kill_then_resume_continues(ray_local, tmp_path):
     cfg = config(tmp_path, 'loop.steps=1000', 'loop.mode="async"', 'train.checkpoint_every=2', 'loop.debug=false')
     run = launch(cfg)
-    ckpts = Path(cfg.run_dir)/'checkpoints'
+    ckpts = Path(cfg.run_dir) / 'checkpoints'
     deadline = time.time() + 120
-    while latest_checkpoint(ckpts) is None or json.loads((latest_checkpoint(ckpts)/'state.json').read_text())['step'] < 4:
+    while (
+        latest_checkpoint(ckpts) is None
+        or json.loads((latest_checkpoint(ckpts) / 'state.json').read_text())['step'] < 4
+    ):
         assert time.time() < deadline, "no checkpoint within 2 minutes"
         time.sleep(0.2)
     run.kill()
     ckpt = latest_checkpoint(ckpts)
-    state = json.loads((ckpt/'state.json').read_text())
+    state = json.loads((ckpt / 'state.json').read_text())
     step, pool = state['step'], state['extra']['pool']
-    saved = torch.load(ckpt/'trainer.pt', weights_only=False)['optimizer']
+    saved = torch.load(ckpt / 'trainer.pt', weights_only=False)['optimizer']
 
     # resume with nothing left to train: the trainer's restored optimizer state is the checkpoint's
     import dataclasses, ray
+
     cfg_at = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step))
     probe = launch(cfg_at, resume=True)
     probe.wait()
     restored = ray.get(probe.trainer.optimizer_state.remote())
     assert restored['state'].keys() == saved['state'].keys()
-    for k in saved['state']: assert torch.equal(restored['state'][k]['exp_avg'], saved['state'][k]['exp_avg'])
+    for k in saved['state']:
+        assert torch.equal(restored['state'][k]['exp_avg'], saved['state'][k]['exp_avg'])
     assert ray.get(probe.trainer.state.remote())['step'] == step
 
     # resume for two more steps: step count and data position continue
@@ -114,47 +140,90 @@ def test_kill_then_resume_continues(ray_local, tmp_path):
     after = more.store.samples()
     after = after[after.step > step]
     allowed = set(pool['pending']) | set(range(pool['position'], pool['position'] + 100))
-    assert set(after.prompt_index) <= allowed  # nothing before the saved position is repeated, except the groups in flight
-    assert set(pool['pending']) & set(after.prompt_index)  # the groups in flight at the checkpoint are trained after resume
+    assert (
+        set(after.prompt_index) <= allowed
+    )  # nothing before the saved position is repeated, except the groups in flight
+    assert set(pool['pending']) & set(
+        after.prompt_index
+    )  # the groups in flight at the checkpoint are trained after resume
+
 
 def test_train_command_bad_config_fails_before_ray():
-    out = subprocess.run([str(Path(sys.executable).parent/'molt-nb'), 'train', str(PARITY), 'rollout.n_samples=1'], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / 'molt-nb'), 'train', str(PARITY), 'rollout.n_samples=1'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and 'rollout.n_samples is 1' in out.stderr
     assert 'Ray' not in out.stderr and 'ray' not in out.stdout
+
 
 # In one process (an `Orchestrator` and a `Trainer`, no Ray): the parity recipe with one thing broken in its Env.reset
 from molt_nb.loop import Orchestrator, Trainer
 from molt_nb.pool import RunStopped
 
-def parity_with(tmp_path, reset:str) -> Path:
+
+def parity_with(tmp_path, reset: str) -> Path:
     "The parity recipe whose Env.reset runs `reset` first (`_evals`, `_trains`: counters of eval and train rollouts)"
-    d = tmp_path/'recipe'; d.mkdir()
-    (d/'recipe.toml').write_text((PARITY/'recipe.toml').read_text())
-    src = (PARITY/'agent.py').read_text()
+    d = tmp_path / 'recipe'
+    d.mkdir()
+    (d / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
+    src = (PARITY / 'agent.py').read_text()
     old = "    async def reset(self, task): return task['prompt']"
     assert old in src
     head = "import asyncio, itertools\n_evals, _trains = itertools.count(), itertools.count()\n"
-    (d/'agent.py').write_text(head + src.replace(old, f"    async def reset(self, task):\n        evaluating = int(task['prompt'][:-1]) >= 1000\n        {reset}\n        return task['prompt']"))
+    (d / 'agent.py').write_text(
+        head
+        + src.replace(
+            old,
+            f"    async def reset(self, task):\n        evaluating = int(task['prompt'][:-1]) >= 1000\n        {reset}\n        return task['prompt']",
+        )
+    )
     return d
+
 
 def run_here(cfg) -> tuple:
     "(the last row or the exception, the orchestrator, seconds from the start of `run`)"
     import asyncio
+
     orch = Orchestrator(cfg, Trainer(cfg))
     start = time.perf_counter()
-    try: out = asyncio.run(orch.run())
-    except Exception as e: out = e
-    finally: orch.close()
+    try:
+        out = asyncio.run(orch.run())
+    except Exception as e:
+        out = e
+    finally:
+        orch.close()
     return out, orch, time.perf_counter() - start
 
-TINY_HERE = ['loop.eval_tasks=2', 'rollout.groups_per_step=2', 'rollout.n_samples=2', 'rollout.groups_in_flight=4', 'train.micro_batch_rows=4']
+
+TINY_HERE = [
+    'loop.eval_tasks=2',
+    'rollout.groups_per_step=2',
+    'rollout.n_samples=2',
+    'rollout.groups_in_flight=4',
+    'train.micro_batch_rows=4',
+]
+
 
 @pytest.mark.parametrize('works', [0, 2])
 def test_time_limit_holds_when_evaluation_hangs(tmp_path, works):
     "Every eval rollout after the first `works` hangs (timeout_s is long): the run still ends about loop.seconds, plus at most the final evaluation's grace"
     from molt_nb.loop import EVAL_GRACE_S
+
     recipe = parity_with(tmp_path, f"if evaluating and next(_evals) >= {works}: await asyncio.sleep(3600)")
-    out, orch, seconds = run_here(config(tmp_path, *TINY_HERE, 'loop.steps=1000', 'loop.seconds=4', 'rollout.timeout_s=120', 'loop.debug=false', recipe=recipe))
+    out, orch, seconds = run_here(
+        config(
+            tmp_path,
+            *TINY_HERE,
+            'loop.steps=1000',
+            'loop.seconds=4',
+            'rollout.timeout_s=120',
+            'loop.debug=false',
+            recipe=recipe,
+        )
+    )
     assert seconds < 4 + EVAL_GRACE_S + 10, seconds  # before: the hanging evaluation waited rollout.timeout_s (120 s)
     if works == 0:  # the first evaluation hangs: it takes the run's time, and no step can finish
         assert isinstance(out, RunStopped) and 'no training step finished within loop.seconds=4' in str(out), out
@@ -162,17 +231,33 @@ def test_time_limit_holds_when_evaluation_hangs(tmp_path, works):
     else:  # the steps train; the final evaluation hangs, is cut after its grace, scores 0 and is counted
         assert not isinstance(out, Exception), out
         assert out['step'] >= 1 and out['eval'] == 0.0 and out['eval_failed'] == 2.0, out
-        assert json.loads((latest_checkpoint(orch.store.checkpoints)/'state.json').read_text())['step'] == out['step']
+        assert json.loads((latest_checkpoint(orch.store.checkpoints) / 'state.json').read_text())['step'] == out['step']
+
 
 @pytest.mark.parametrize('mode', ['sync', 'async'])
 def test_failure_stop_logs_and_checkpoints_the_steps_trained(tmp_path, mode):
     "Train rollouts raise after three steps' worth: the run stops, and every step trained is in the metrics and the final checkpoint"
-    recipe = parity_with(tmp_path, "if not evaluating and next(_trains) >= 12: raise ConnectionError('scorer service is down')")
-    out, orch, seconds = run_here(config(tmp_path, *TINY_HERE, 'loop.steps=1000', f'loop.mode="{mode}"', 'rollout.failure_window=8',
-                                         'loop.max_staleness=8', recipe=recipe))
+    recipe = parity_with(
+        tmp_path, "if not evaluating and next(_trains) >= 12: raise ConnectionError('scorer service is down')"
+    )
+    out, orch, seconds = run_here(
+        config(
+            tmp_path,
+            *TINY_HERE,
+            'loop.steps=1000',
+            f'loop.mode="{mode}"',
+            'rollout.failure_window=8',
+            'loop.max_staleness=8',
+            recipe=recipe,
+        )
+    )
     assert isinstance(out, RunStopped) and 'ConnectionError: scorer service is down' in str(out), out
     assert orch.step >= 1
-    assert list(orch.store.metrics().step) == list(range(orch.step + 1))  # before (async): the last step's row was never logged
+    assert list(orch.store.metrics().step) == list(
+        range(orch.step + 1)
+    )  # before (async): the last step's row was never logged
     ckpt = latest_checkpoint(orch.store.checkpoints)
-    assert ckpt is not None and json.loads((ckpt/'state.json').read_text())['step'] == orch.step  # before: no checkpoint (checkpoint_every=0)
+    assert (
+        ckpt is not None and json.loads((ckpt / 'state.json').read_text())['step'] == orch.step
+    )  # before: no checkpoint (checkpoint_every=0)
     assert orch.store.failures()['train error:ConnectionError']['count'] >= 8

@@ -6,6 +6,7 @@ runner is a separate process holding secrets in its environment and home, so tha
 reads it shows here as a dead runner or a leaked secret, not as a dead pytest. Processes the code starts
 carry a marker in their command line and are found by pid from outside while they run.
 """
+
 import asyncio, ctypes, json, os, socket, subprocess, sys, sysconfig, tempfile, threading, time
 from pathlib import Path
 import pytest
@@ -37,6 +38,7 @@ async def main(calls):
 print(json.dumps(asyncio.run(main(json.load(sys.stdin)))))
 '''
 
+
 @pytest.fixture(scope='module')
 def home():
     "The runner's home, with a Ray token file as `ray` writes it (0644, as found on this machine)"
@@ -45,45 +47,78 @@ def home():
         (Path(d) / '.ray' / 'auth_token').write_text(SECRET)
         yield d
 
+
 # the runner as root (privileged bwrap; the code drops to a uid of its own) and as an ordinary user (uid 12345 in a
 # user namespace made by an outer bwrap: the sandbox then takes the user-namespace path every non-root user gets)
 AS_USER = ('bwrap', '--dev-bind', '/', '/', '--unshare-user', '--uid', '12345', '--gid', '12345')
 
-@pytest.fixture(params=['root', 'user'])
-def who(request) -> tuple: return () if request.param == 'root' else AS_USER
 
-def runner(calls:list, home:str, prefix:tuple=()) -> list:
+@pytest.fixture(params=['root', 'user'])
+def who(request) -> tuple:
+    return () if request.param == 'root' else AS_USER
+
+
+def runner(calls: list, home: str, prefix: tuple = ()) -> list:
     "Run (code, options) calls in a fresh runner process with secrets in its environment and home; its results"
     env = dict(PATH=os.environ['PATH'], HOME=home, PYTHONPATH=str(ROOT), RAY_AUTH_TOKEN=SECRET, MOLT_CHAT_TOKEN=SECRET)
-    r = subprocess.run([*prefix, sys.executable, '-c', RUNNER], input=json.dumps(calls), capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [*prefix, sys.executable, '-c', RUNNER],
+        input=json.dumps(calls),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, f"the runner died (exit {r.returncode}): {r.stderr[-2000:]}"
     return json.loads(r.stdout)
 
-def outcomes(text:str) -> dict:
+
+def outcomes(text: str) -> dict:
     "{attempt: 'DONE ...' or 'FAILED ...'} of the lines `attempt` printed"
-    return {l.split(' ', 1)[0]: l.split(' ', 1)[1] for l in text.splitlines() if l.split(' ', 1)[-1].startswith(('DONE', 'FAILED'))}
+    return {
+        l.split(' ', 1)[0]: l.split(' ', 1)[1]
+        for l in text.splitlines()
+        if l.split(' ', 1)[-1].startswith(('DONE', 'FAILED'))
+    }
+
 
 class Listener:
     "A TCP, a file Unix and an abstract Unix socket server of the runner's side, counting connections"
-    def __init__(self, tmp:str):
+
+    def __init__(self, tmp: str):
         self.count, self.path, self.abstract = 0, f"{tmp}/runner.sock", f"\0molt-test-{os.urandom(6).hex()}"
-        self.socks = [socket.create_server(('127.0.0.1', 0)), socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
-        self.socks[1].bind(self.path); self.socks[2].bind(self.abstract)
+        self.socks = [
+            socket.create_server(('127.0.0.1', 0)),
+            socket.socket(socket.AF_UNIX),
+            socket.socket(socket.AF_UNIX),
+        ]
+        self.socks[1].bind(self.path)
+        self.socks[2].bind(self.abstract)
         self.port = self.socks[0].getsockname()[1]
-        for s in self.socks: s.listen(); threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+        for s in self.socks:
+            s.listen()
+            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
     def _accept(self, s):
         while True:
-            try: s.accept()[0].close()
-            except OSError: return
+            try:
+                s.accept()[0].close()
+            except OSError:
+                return
             self.count += 1
+
     def close(self):
-        for s in self.socks: s.close()
+        for s in self.socks:
+            s.close()
+
 
 def test_secrets_project_and_network_out_of_reach(home, who, tmp_path):
     "With the audit hook off: no token file, environment, process memory, project file, socket or network is reachable"
     srv, target = Listener(str(tmp_path)), ROOT / 'molt_nb' / 'tools.py'
     before = target.read_bytes()
-    code = UNHOOK + f'''
+    code = (
+        UNHOOK
+        + f'''
 attempt('home_token', lambda: open({home!r} + '/.ray/auth_token').read())
 attempt('root_token', lambda: open('/root/.ray/auth_token').read())
 attempt('environ', lambda: [k for k, v in os.environ.items() if {SECRET!r} in v] or 1 / 0)
@@ -110,20 +145,47 @@ for name, args in (('add_key', (b'user', b'k', b'x', 1, -4)), ('keyctl', (0, 0))
     attempt(name, lambda: syscall(nr.get(name, 425), *args) == -1 and ctypes.get_errno() == 38 and 1 / 0)
 attempt('scratch', lambda: open('/tmp/notes', 'w').write('scratch is writable'))
 '''
-    try: (r,) = runner([(code, dict(timeout_s=20))], home, who)
-    finally: srv.close()
+    )
+    try:
+        (r,) = runner([(code, dict(timeout_s=20))], home, who)
+    finally:
+        srv.close()
     got = outcomes(r['text'])
     assert SECRET not in r['text'], r['text']
-    expected = ['home_token', 'root_token', 'environ', 'runner_environ', 'runner_mem', 'proc_scan', 'write_project', 'new_project_file',
-                'write_usr', 'tcp', 'internet', 'unix_file', 'unix_abstract', 'nested_userns', 'write_root', 'write_dev', 'fill_shm',
-                'vsock', 'add_key', 'keyctl', 'userfaultfd', 'io_uring_setup']
+    expected = [
+        'home_token',
+        'root_token',
+        'environ',
+        'runner_environ',
+        'runner_mem',
+        'proc_scan',
+        'write_project',
+        'new_project_file',
+        'write_usr',
+        'tcp',
+        'internet',
+        'unix_file',
+        'unix_abstract',
+        'nested_userns',
+        'write_root',
+        'write_dev',
+        'fill_shm',
+        'vsock',
+        'add_key',
+        'keyctl',
+        'userfaultfd',
+        'io_uring_setup',
+    ]
     assert {k: v for k, v in got.items() if k in expected and not v.startswith('FAILED')} == {}, r['text']
     assert set(expected) <= set(got) and got['scratch'].startswith('DONE'), r['text']
     assert srv.count == 0 and target.read_bytes() == before and not (ROOT / 'pwned').exists()
 
+
 def test_runner_cannot_be_killed(home, who):
     "pidfd, kill by pid, kill(-1) and fork_exec of a shell that kills: the runner lives and answers the next call"
-    code = UNHOOK + '''
+    code = (
+        UNHOOK
+        + '''
 import _posixsubprocess
 attempt('pidfd', lambda: signal.pidfd_send_signal(os.pidfd_open(RUNNER_PID), signal.SIGKILL))
 attempt('kill', lambda: os.kill(RUNNER_PID, signal.SIGKILL))
@@ -133,20 +195,28 @@ attempt('fork_exec', lambda: _posixsubprocess.fork_exec([b'/usr/bin/kill', b'-9'
 time.sleep(0.5)
 attempt('kill_all', lambda: os.kill(-1, signal.SIGKILL))
 '''
+    )
     r, after = runner([(code, dict(timeout_s=20)), ('print(6 * 7)', {})], home, who)
     got = outcomes(r['text'])
-    assert got['pidfd'].startswith('FAILED') and got['kill'].startswith('FAILED') and got['shell'].startswith('FAILED'), r['text']
+    assert (
+        got['pidfd'].startswith('FAILED') and got['kill'].startswith('FAILED') and got['shell'].startswith('FAILED')
+    ), r['text']
     assert after['text'] == '42\n'
 
-def _marked(marker:str) -> set:
+
+def _marked(marker: str) -> set:
     "Host pids of live processes whose command line holds `marker`"
     out = set()
     for p in os.listdir('/proc'):
-        if not p.isdigit(): continue
+        if not p.isdigit():
+            continue
         try:
-            if marker.encode() in Path(f"/proc/{p}/cmdline").read_bytes(): out.add(int(p))
-        except OSError: pass
+            if marker.encode() in Path(f"/proc/{p}/cmdline").read_bytes():
+                out.add(int(p))
+        except OSError:
+            pass
     return out
+
 
 def test_fork_tree_dies_at_the_deadline(home, who):
     "setsid and double-forked children holding stdout open: the call returns at its deadline and every one is gone (by pid)"
@@ -159,43 +229,68 @@ for i in range(12):
         if os.fork() == 0: time.sleep(120)
         time.sleep(120)
 time.sleep(120)'''
-    code = UNHOOK + f'''subprocess.Popen([sys.executable, '-c', {child!r}])
+    code = (
+        UNHOOK
+        + f'''subprocess.Popen([sys.executable, '-c', {child!r}])
 print('started', flush=True)
 time.sleep(120)'''
+    )
     seen, result = set(), {}
-    t = threading.Thread(target=lambda: result.update(r=runner([(code, dict(timeout_s=3, max_processes=64))], home, who)[0]))
+    t = threading.Thread(
+        target=lambda: result.update(r=runner([(code, dict(timeout_s=3, max_processes=64))], home, who)[0])
+    )
     t.start()
     while t.is_alive():
-        seen |= _marked(marker); time.sleep(0.05)
+        seen |= _marked(marker)
+        time.sleep(0.05)
     t.join()
     assert len(seen) >= 20, f"only {len(seen)} processes of the tree were seen running"
-    assert result['r']['text'].endswith('TimeoutError: the code ran longer than 3 s and was stopped') and result['r']['seconds'] < 5, result
+    assert (
+        result['r']['text'].endswith('TimeoutError: the code ran longer than 3 s and was stopped')
+        and result['r']['seconds'] < 5
+    ), result
     assert _marked(marker) == set(), 'processes of the tree outlived the deadline'
+
 
 def test_fork_bomb_is_bounded(home, who):
     "Processes are capped per sandbox: a fork bomb stops at max_processes, and the next call runs"
-    if who: pytest.skip("the emulated ordinary user is host root outside its user namespace, and the kernel exempts root from RLIMIT_NPROC; "
-                        "a real non-root runner's sandbox is capped by the same rlimit (the root runner's case, with a uid of its own, runs here)")
-    code = UNHOOK + '''n = 0
+    if who:
+        pytest.skip(
+            "the emulated ordinary user is host root outside its user namespace, and the kernel exempts root from RLIMIT_NPROC; "
+            "a real non-root runner's sandbox is capped by the same rlimit (the root runner's case, with a uid of its own, runs here)"
+        )
+    code = (
+        UNHOOK
+        + '''n = 0
 try:
     while True:
         if os.fork() == 0: time.sleep(60); os._exit(0)
         n += 1
 except OSError as e: print('forked', n, type(e).__name__, flush=True)
 '''
+    )
     r, after = runner([(code, dict(max_processes=8, timeout_s=10)), ('print(6 * 7)', {})], home, who)
     assert r['text'].startswith('forked') and int(r['text'].split()[1]) < 8, r['text']
     assert after['text'] == '42\n'
 
+
 def test_output_floods_cost_the_runner_nothing(home):
     "A 100 MB print and endless writes: the answer is cut, the program stopped, the runner's peak memory grows < limit + 10 MB"
-    calls = [('print(1)', {}), ('import sys; sys.stdout.write("x" * 100_000_000)', dict(max_output=2000, memory_mb=512, timeout_s=20)),
-             ('import sys\nwhile True: sys.stdout.write("y" * 65536)', dict(timeout_s=2))]
+    calls = [
+        ('print(1)', {}),
+        ('import sys; sys.stdout.write("x" * 100_000_000)', dict(max_output=2000, memory_mb=512, timeout_s=20)),
+        ('import sys\nwhile True: sys.stdout.write("y" * 65536)', dict(timeout_s=2)),
+    ]
     _, flood, endless = runner(calls, home)
     for r in (flood, endless):
         assert r['grew_kb'] < 10 * 1024 + 2, f"the runner's peak memory grew by {r['grew_kb']} kB"
-        assert r['text'].startswith('x' * 2000 if r is flood else 'y' * 2000) and 'the program was stopped' in r['text'], r['text'][-200:]
-        assert len(r['text']) < 2200 and r['seconds'] < 3, r['seconds']  # stopped at once (a pipe left unread used to hold the exit 5 s)
+        assert (
+            r['text'].startswith('x' * 2000 if r is flood else 'y' * 2000) and 'the program was stopped' in r['text']
+        ), r['text'][-200:]
+        assert len(r['text']) < 2200 and r['seconds'] < 3, r[
+            'seconds'
+        ]  # stopped at once (a pipe left unread used to hold the exit 5 s)
+
 
 def test_limits_hold():
     "Files over file_mb fail; the scratch dir is private to each call; the runner is undumpable after a call"
@@ -205,16 +300,39 @@ def test_limits_hold():
     assert asyncio.run(run_python('import os; print(os.listdir("/tmp"))')) == '[]\n'
     assert ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0, 'the runner is still dumpable (PR_GET_DUMPABLE)'
 
+
 def test_refuses_without_isolation(home):
     "No bwrap, or a kernel that refuses the namespaces: SandboxUnavailable says what to enable; unsafe=True is the explicit way out"
     with pytest.raises(SandboxUnavailable, match='apt-get install bubblewrap'):
         asyncio.run(run_python('print(1)', bwrap='no-such-bwrap'))
     # an ordinary user's runner where user namespaces are disabled (as Docker's default seccomp profile or Ubuntu's AppArmor do)
     code = 'from molt_nb.tools import run_python, SandboxUnavailable\nimport asyncio\ntry: asyncio.run(run_python("print(1)"))\nexcept SandboxUnavailable as e: print(e)\nprint(asyncio.run(run_python("print(2)", unsafe=True)))'
-    r = subprocess.run(['bwrap', '--dev-bind', '/', '/', '--unshare-user', '--uid', '1000', '--disable-userns', sys.executable, '-c', code],
-                       capture_output=True, text=True, timeout=60, env=dict(PATH=os.environ['PATH'], PYTHONPATH=str(ROOT)))
-    assert 'could not build the sandbox' in r.stdout and 'unprivileged user namespaces' in r.stdout and 'unsafe=True' in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(
+        [
+            'bwrap',
+            '--dev-bind',
+            '/',
+            '/',
+            '--unshare-user',
+            '--uid',
+            '1000',
+            '--disable-userns',
+            sys.executable,
+            '-c',
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(PATH=os.environ['PATH'], PYTHONPATH=str(ROOT)),
+    )
+    assert (
+        'could not build the sandbox' in r.stdout
+        and 'unprivileged user namespaces' in r.stdout
+        and 'unsafe=True' in r.stdout
+    ), r.stdout + r.stderr
     assert r.stdout.endswith('unsafe=True.\n2\n\n'), r.stdout
+
 
 def test_binds_add_packages(tmp_path):
     """The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the kernel

@@ -4,6 +4,7 @@ Anthropic SDK and its Python tool in the sandbox.
 Where the tool output and the policy's tokens sit in a trajectory is checked on a scripted policy (a known-good
 tool call, then the answer), so it cannot depend on what a tiny model happens to emit on a given CPU. The RL part
 then trains the warm-started recipe on a real local Ray and checks every trained token against the engine."""
+
 import dataclasses, json
 from pathlib import Path
 import pytest, torch
@@ -17,15 +18,21 @@ from molt_nb.train import run_sync, warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 class Scripted:
     "An engine whose turns are the given texts (version 0, logprob -0.5 per token); keeps the prompts it saw"
+
     version, max_model_len = 0, 1024
-    def __init__(self, tok, texts): self.tok, self.texts, self.prompts = tok, list(texts), []
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.prompts = tok, list(texts), []
+
     async def generate(self, token_ids, sampling, session_id=None):
         self.prompts.append(torch.as_tensor(token_ids).tolist())
         ids = torch.tensor(encode(self.tok, self.texts.pop(0)))
         n = len(ids)
         return Generation(ids, torch.full((n,), -0.5), torch.zeros(n, dtype=torch.int32), None, 'stop', len(token_ids))
+
 
 def _split(tok, tr) -> tuple:
     "(sampled text, observed text) of a trajectory, after checking that no token inside a tool response is sampled"
@@ -33,17 +40,20 @@ def _split(tok, tr) -> tuple:
     for seg in tr.segments:
         inside = False
         for i, a in zip(seg.token_ids.tolist(), seg.action_mask.tolist()):
-            if i == start: inside = True
+            if i == start:
+                inside = True
             assert not (inside and a), 'a tool-output token is marked as sampled'
-            if i == end: inside = False
+            if i == end:
+                inside = False
     sampled = tok.decode(torch.cat([s.token_ids[s.action_mask] for s in tr.segments]))
     observed = tok.decode(torch.cat([s.token_ids[~s.action_mask] for s in tr.segments]))
     return sampled, observed
 
+
 @pytest.mark.parametrize('recipe', ['tool_openai', 'tool_anthropic'])
 def test_tool_turn_masks(recipe):
     "A scripted tool call and answer through the real SDK: both are trained, the tool's output is masked"
-    cfg, tok = load_config(ROOT/'recipes'/recipe), build_tokenizer()
+    cfg, tok = load_config(ROOT / 'recipes' / recipe), build_tokenizer()
     module = _module(cfg.agent_path)
     task = module.tasks('train')[0]
     arguments = json.dumps(dict(code=task['code']))
@@ -60,12 +70,13 @@ def test_tool_turn_masks(recipe):
     assert out.strip() == task['label']  # the sandbox really ran the call
     assert f"<tool_response>\n{out}\n</tool_response>" in observed, observed  # as the SDK sent it back
     first, second = engine.prompts
-    assert second[:len(first)] == first  # one growing context
+    assert second[: len(first)] == first  # one growing context
+
 
 @pytest.mark.parametrize('recipe', ['tool_openai', 'tool_anthropic'])
 def test_tool_recipe_trains(ray_local, tmp_path, recipe):
     "The recipe's warm start, then RL on Ray with the real SDK: every trained token is the engine's"
-    cfg = load_config(ROOT/'recipes'/recipe, ['loop.debug=true', f'run_dir="{tmp_path/"run"}"'])
+    cfg = load_config(ROOT / 'recipes' / recipe, ['loop.debug=true', f'run_dir="{tmp_path / "run"}"'])
     path, _ = warm_start(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)))
     run = launch(cfg)
