@@ -21,7 +21,9 @@ from molt_nb.core import collate
 from molt_nb.engine import TorchEngine
 from molt_nb.actor import PolicyActor
 from molt_nb.weight_sync import from_buckets
-from molt_nb.loop import evaluate, launch, recipe_parts
+from molt_nb.controller import launch
+from molt_nb.loop import evaluate
+from molt_nb.recipe import recipe_parts
 from molt_nb.train import warm_start, held_out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,9 +74,10 @@ async def single_process(cfg, seconds: float) -> dict:
 
 def on_ray(cfg) -> dict:
     "An arm run by molt-nb on Ray; figures from its metrics (evaluation time excluded)"
-    run = launch(cfg)
+    run = launch(cfg, name=f"arm-{time.monotonic_ns()}")
     run.wait()
-    m = run.store.metrics()
+    m = run.metrics()
+    run.kill()
     steps = m[m.step > 0]
     evals_during = (
         m.time_eval.iloc[:-1].fillna(0).sum() if 'time_eval' in m else 0.0

@@ -12,11 +12,11 @@ IS filter fraction, and held-out accuracy at every evaluation.
     .venv/bin/python bench/r3.py [--seconds 120] [--seed 0] [--append bench/RESULTS.md]
 """
 
-import argparse, dataclasses, datetime, platform, tempfile
+import argparse, dataclasses, datetime, platform, tempfile, time
 from pathlib import Path
 
 from molt_nb.config import load_config
-from molt_nb.loop import launch
+from molt_nb.controller import launch
 from molt_nb.train import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +39,11 @@ def arm(cfg, replay: bool, run_dir: Path):
     c = dataclasses.replace(
         cfg, routing=dataclasses.replace(cfg.routing, replay=replay, compare=replay), run_dir=str(run_dir)
     )
-    run = launch(c)
+    run = launch(c, name=f"r3-{run_dir.name}-{time.monotonic_ns()}")
     run.wait()
-    return run.store.metrics()
+    m = run.metrics()
+    run.kill()
+    return m
 
 
 def summary(m) -> dict:

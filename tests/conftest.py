@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def ray_local(tmp_path_factory):
     "A private Ray on loopback for the session (its own temp dir; shut down at the end, never `ray stop`)"
     import ray
-    from molt_nb.loop import start_ray
+    from molt_nb.controller import start_ray
 
     start_ray(temp_dir=str(tmp_path_factory.mktemp("ray")), num_cpus=2)
     yield ray

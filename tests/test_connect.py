@@ -208,7 +208,7 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
         '''
     import os, tempfile, psutil, ray
     from ray._private import ray_constants
-    from molt_nb.loop import start_ray
+    from molt_nb.controller import start_ray
     start_ray(temp_dir=tempfile.mkdtemp(prefix='molt-cl-'), num_cpus=1)
     ray.get(ray.remote(lambda: 1).remote(), timeout=120)  # a worker listens too
     ips = set()

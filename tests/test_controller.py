@@ -260,7 +260,7 @@ def test_launch_kill_driver_attach_and_hot_swap(ray_head, tmp_path):
     assert (
         "is stopped at step" in out['ended']
         and 'would never take effect' in out['ended']
-        and 'resume=True' in out['ended']
+        and 'from_checkpoint=True' in out['ended']
     )
 
 
@@ -305,7 +305,7 @@ until(lambda: run.swaps().step.notna().all(), 'both swaps took effect')
 ckpt = json.loads((Path(run.checkpoint()) / 'state.json').read_text())['step']
 run.kill()  # orchestrator and trainer: their processes die with what they had registered
 until(lambda: not {{'res', 'res/trainer'}} & named(), 'the killed actors released their names')
-run = launch(cfg, name='res', resume=True)  # fresh actors, given the config the run was launched with (grpo)
+run = launch(cfg, name='res', from_checkpoint=True)  # fresh actors, given the config the run was launched with (grpo)
 run.wait(until_step=ckpt + 2, timeout=300)
 m = run.metrics()
 m = m[m.step > ckpt]
@@ -346,6 +346,6 @@ def test_resume_restores_hot_swaps(ray_head, tmp_path):
         and len(out['waited'].splitlines()) <= 2
         and 'Traceback' not in out['waited']
     )
-    assert 'Error: ' in out['waited'] and '(after step ' in out['waited'] and 'resume=True' in out['waited']
+    assert 'Error: ' in out['waited'] and '(after step ' in out['waited'] and 'from_checkpoint=True' in out['waited']
     assert out['stopped'].startswith("run 'res' had already failed, so there was nothing to stop")
     assert "is failed (" in out['refused'] and 'would never take effect' in out['refused']

@@ -4,7 +4,8 @@ import json, math, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest, torch
 from molt_nb.config import load_config
-from molt_nb.loop import launch, RunStore
+from molt_nb.controller import launch
+from molt_nb.store import RunStore
 from molt_nb.actor import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +16,16 @@ def config(tmp_path, *overrides, recipe=PARITY):
     return load_config(recipe, ['loop.eval_tasks=16', 'loop.debug=true', f'run_dir="{tmp_path / "run"}"', *overrides])
 
 
+def finish(cfg, **kw) -> tuple:
+    "Launch `cfg` under a name of its own and wait for it to end; (its last metrics row, its store)"
+    run = launch(cfg, name=f"loop-{time.monotonic_ns()}", **kw)
+    try:
+        run.wait(timeout=600)
+        return run.metrics().iloc[-1].dropna().to_dict(), RunStore(cfg.run_dir)
+    finally:
+        run.kill()
+
+
 def trained_ages(store: RunStore) -> list:
     "For every trained token, how many versions older than the trainer it was (step s trains at version s-1)"
     s = store.samples()
@@ -22,27 +33,25 @@ def trained_ages(store: RunStore) -> list:
 
 
 def test_token_identity_sync(ray_local, tmp_path):
-    run = launch(config(tmp_path, 'loop.steps=4', 'loop.mode="sync"'))
-    row = run.wait()
-    m = run.store.metrics().iloc[1:]
+    row, store = finish(config(tmp_path, 'loop.steps=4', 'loop.mode="sync"'))
+    m = store.metrics().iloc[1:]
     assert row['version'] == 4 and list(m.step) == [1, 2, 3, 4]
     assert (m.identity_checked == m['train/tokens']).all()  # every trained token was checked against the engine
-    assert set(trained_ages(run.store)) == {0}  # strictly on-policy
+    assert set(trained_ages(store)) == {0}  # strictly on-policy
 
 
 def test_async_staleness_bound(ray_local, tmp_path):
-    run = launch(
+    _, store = finish(
         config(tmp_path, 'loop.steps=8', 'loop.mode="async"', 'loop.max_staleness=1', 'rollout.groups_in_flight=16')
     )
-    run.wait()
-    ages = trained_ages(run.store)
+    ages = trained_ages(store)
     assert ages and max(ages) <= 1 and min(ages) >= 0
-    m = run.store.metrics().iloc[1:]
+    m = store.metrics().iloc[1:]
     assert (m.identity_checked == m['train/tokens']).all()
 
 
 def test_partial_rollout_two_versions(ray_local, tmp_path):
-    run = launch(
+    row, store = finish(
         config(
             tmp_path,
             'loop.steps=6',
@@ -52,12 +61,11 @@ def test_partial_rollout_two_versions(ray_local, tmp_path):
             'rollout.groups_in_flight=16',
         )
     )
-    row = run.wait()
-    s = run.store.samples()
+    s = store.samples()
     mixed = s[s.versions.map(lambda v: len(set(v)) > 1)]
     assert len(mixed) > 0, "no sequence straddled a weight sync"
     assert all(list(v) == sorted(v) for v in s.versions)  # a sequence's later tokens come from newer weights
-    m = run.store.metrics().iloc[1:]
+    m = store.metrics().iloc[1:]
     assert (m.identity_checked == m['train/tokens']).all()  # each token's version is the one the engine stamped
     assert all(math.isfinite(x) for x in m['train/loss']) and all(math.isfinite(x) for x in m['train/ratio_p50'])
     assert row['version'] == 6
@@ -92,19 +100,21 @@ def test_raising_and_hanging_agent_cost_one_rollout_each(ray_local, tmp_path):
     recipe.mkdir()
     (recipe / 'agent.py').write_text(FAULTY)
     (recipe / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
-    run = launch(config(tmp_path, 'loop.steps=3', 'loop.mode="sync"', 'rollout.timeout_s=2', recipe=recipe))
-    row = run.wait()
+    # the recipe check would meet a fault (it is meant to): the run is what is tested
+    row, store = finish(
+        config(tmp_path, 'loop.steps=3', 'loop.mode="sync"', 'rollout.timeout_s=2', recipe=recipe), check=False
+    )
     assert row['step'] == 3
     assert row['pool/rollouts/error:RuntimeError'] == 1
     assert row['pool/rollouts/timeout'] == 1
     assert 'pool/groups/failed' not in row  # the other rollouts of both groups trained
-    sizes = run.store.samples().groupby('group_id').size().tolist()
+    sizes = store.samples().groupby('group_id').size().tolist()
     assert sorted(sizes) == [3, 3] + [4] * (len(sizes) - 2)  # two groups trained on 3 of their 4 samples
 
 
 def test_kill_then_resume_continues(ray_local, tmp_path):
     cfg = config(tmp_path, 'loop.steps=1000', 'loop.mode="async"', 'train.checkpoint_every=2', 'loop.debug=false')
-    run = launch(cfg)
+    run = launch(cfg, name='killed')
     ckpts = Path(cfg.run_dir) / 'checkpoints'
     deadline = time.time() + 120
     while (
@@ -121,23 +131,26 @@ def test_kill_then_resume_continues(ray_local, tmp_path):
 
     # resume with nothing left to train: the trainer's restored optimizer state is the checkpoint's
     import dataclasses, ray
+    from molt_nb.steering import NAMESPACE
 
     cfg_at = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step))
-    probe = launch(cfg_at, resume=True)
-    probe.wait()
-    restored = ray.get(probe.trainer.optimizer_state.remote())
+    probe = launch(cfg_at, name='probe', from_checkpoint=True)
+    probe.wait(timeout=600)
+    trainer = ray.get_actor('probe/trainer', namespace=NAMESPACE)
+    restored = ray.get(trainer.optimizer_state.remote())
     assert restored['state'].keys() == saved['state'].keys()
     for k in saved['state']:
         assert torch.equal(restored['state'][k]['exp_avg'], saved['state'][k]['exp_avg'])
-    assert ray.get(probe.trainer.state.remote())['step'] == step
+    assert ray.get(trainer.state.remote())['step'] == step
+    probe.kill()
 
     # resume for two more steps: step count and data position continue
-    more = launch(dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step + 2)), resume=True)
-    row = more.wait()
-    m = more.store.metrics()
+    more = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step + 2))
+    row, store = finish(more, from_checkpoint=True)
+    m = store.metrics()
     assert row['step'] == step + 2 and row['version'] == step + 2
     assert list(m.step) == sorted(set(m.step)) and m.step.max() == step + 2  # no step counted twice
-    after = more.store.samples()
+    after = store.samples()
     after = after[after.step > step]
     allowed = set(pool['pending']) | set(range(pool['position'], pool['position'] + 100))
     assert (
@@ -170,7 +183,7 @@ def parity_with(tmp_path, reset: str) -> Path:
     d.mkdir()
     (d / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
     src = (PARITY / 'agent.py').read_text()
-    old = "    async def reset(self, task): return task['prompt']"
+    old = "    async def reset(self, task):\n        return task['prompt']"
     assert old in src
     head = "import asyncio, itertools\n_evals, _trains = itertools.count(), itertools.count()\n"
     (d / 'agent.py').write_text(

@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from molt_nb.config import load_config
-from molt_nb.loop import launch
+from molt_nb.controller import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = [
@@ -35,9 +35,12 @@ def moe_run(tmp_path, replay: bool):
             f'run_dir="{tmp_path / "run"}"',
         ],
     )
-    run = launch(cfg)
-    run.wait()
-    return run.store.metrics().iloc[1:], run.store.samples()
+    run = launch(cfg, name=f"moe-replay-{replay}")
+    try:
+        run.wait(timeout=600)
+        return run.metrics().iloc[1:], run.samples()
+    finally:
+        run.kill()
 
 
 @pytest.mark.parametrize('replay', [True, False])

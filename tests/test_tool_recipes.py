@@ -12,9 +12,10 @@ from molt_nb.agents import encode, load_agent, _module
 from molt_nb.config import load_config
 from molt_nb.core import SamplingParams
 from molt_nb.engine import Generation
-from molt_nb.loop import launch
+from molt_nb.controller import launch
 from molt_nb.models import build_tokenizer
-from molt_nb.train import run_sync, warm_start
+from molt_nb.recipe import run_sync
+from molt_nb.train import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,9 +80,13 @@ def test_tool_recipe_trains(ray_local, tmp_path, recipe):
     cfg = load_config(ROOT / 'recipes' / recipe, ['loop.debug=true', f'run_dir="{tmp_path / "run"}"'])
     path, _ = warm_start(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)))
-    run = launch(cfg)
-    row = run.wait()
-    m = run.store.metrics().iloc[1:]
+    run = launch(cfg, name=recipe)
+    try:
+        run.wait(timeout=900)
+        m = run.metrics()
+    finally:
+        run.kill()
+    row, m = m.iloc[-1].dropna().to_dict(), m.iloc[1:]
     assert row['step'] == cfg.loop.steps and len(m) == cfg.loop.steps
     assert (m.identity_checked == m['train/tokens']).all() and (m['train/tokens'] > 0).all()
     assert row.get('pool/rollouts/ok', 0) >= cfg.rollout.n_samples * cfg.rollout.groups_per_step * cfg.loop.steps
