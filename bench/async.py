@@ -11,7 +11,7 @@ the engine's idle fraction, and held-out accuracy at the start and the end (and 
     .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--append bench/RESULTS.md]
 """
 
-import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, sys, tempfile, time
+import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, tempfile, time
 from pathlib import Path
 
 import torch
@@ -142,30 +142,38 @@ def main():
         gc.collect()
         results[name] = r = fn()
         print(
-            f"{name}: {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}, accuracy {r['start']:.3f} -> {r['end']:.3f} in {r['seconds']:.0f} s ({r['steps']} steps)",
+            f"{name}: {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}, accuracy "
+            f"{r['start']:.3f} -> {r['end']:.3f} in {r['seconds']:.0f} s ({r['steps']} steps)",
             flush=True,
         )
     floor, sync, asy = (results[k]['samples_per_s'] for k in arms)
     lines = [
         f"## async: the arith recipe as a single process, molt-nb sync and molt-nb async ({datetime.date.today()})",
         "",
-        f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: {os.cpu_count()} CPU cores "
-        f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; held-out accuracy "
-        f"{warm_acc:.3f}), then each arm runs GRPO (16 prompts x 8 samples per step, lr 1e-4) for {args.seconds:g} s of wall time. "
-        "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of that time the "
-        "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, engine 1.",
+        f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: "
+        f"{os.cpu_count()} CPU cores "
+        f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; "
+        "held-out accuracy "
+        f"{warm_acc:.3f}), then each arm runs GRPO (16 prompts x 8 samples per step, lr 1e-4) for {args.seconds:g} s "
+        "of wall time. "
+        "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of "
+        "that time the "
+        "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, "
+        "engine 1.",
         "",
         "| arm | steps | rollouts/s | engine idle | held-out accuracy start -> end | gain per minute |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         lines.append(
-            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {r['start']:.3f} -> {r['end']:.3f} | "
+            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {r['start']:.3f} -> "
+            f"{r['end']:.3f} | "
             f"{(r['end'] - r['start']) / (r['seconds'] / 60):+.3f} |"
         )
     lines += [
         "",
-        f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** (goal >= 0.8x); "
+        f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** "
+        "(goal >= 0.8x); "
         f"async engine idle **{results['(c) molt-nb async']['engine_idle']:.0%}** (goal < 10%); async max staleness "
         f"{results['(c) molt-nb async']['staleness_max']}.",
         "",

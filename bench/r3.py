@@ -75,8 +75,12 @@ def main():
     metrics = {replay: arm(cfg, replay, root / ('on' if replay else 'off')) for replay in (False, True)}
     rows = {replay: summary(m) for replay, m in metrics.items()}
     lines = [
-        f"\n## R3: routing replay off vs on ({datetime.date.today()}, {platform.machine()}, seed {a.seed}, {a.seconds:.0f} s each)\n",
-        f"`.venv/bin/python bench/r3.py --seconds {a.seconds:.0f} --seed {a.seed}`: recipes/arith_moe (16 experts, top-2, 4 layers; bf16 engine, fp32 trainer; sync GRPO, token IS mask [0.95, 1.05]) from one warm start (fp32 held-out accuracy {warm_acc:.3f}). Means over the RL steps; accuracy is the bf16 engine's greedy held-out accuracy at the first evaluation and the mean of the last three.\n",
+        f"\n## R3: routing replay off vs on ({datetime.date.today()}, {platform.machine()}, seed {a.seed}, "
+        f"{a.seconds:.0f} s each)\n",
+        f"`.venv/bin/python bench/r3.py --seconds {a.seconds:.0f} --seed {a.seed}`: recipes/arith_moe (16 experts, "
+        "top-2, 4 layers; bf16 engine, fp32 trainer; sync GRPO, token IS mask [0.95, 1.05]) from one warm start "
+        f"(fp32 held-out accuracy {warm_acc:.3f}). Means over the RL steps; accuracy is the bf16 engine's greedy "
+        "held-out accuracy at the first evaluation and the mean of the last three.\n",
         '| replay | steps | ' + ' | '.join(COLUMNS.values()) + ' | held-out start | held-out end |',
         '|---' * (len(COLUMNS) + 4) + '|',
     ]
@@ -90,12 +94,15 @@ def main():
     on = rows[True]
     lines += [
         '',
-        'The same tokens, within the replay-on run (`routing.compare`: each step also scores its trained rows with live routing, before the update):',
+        'The same tokens, within the replay-on run (`routing.compare`: each step also scores its trained rows with '
+        'live routing, before the update):',
         '',
         '| routing in the training forward | logp gap mean | logp gap p99 | IS filtered |',
         '|---|---|---|---|',
-        f"| live (what the trainer's routers choose) | {on['live logp gap mean']:.4f} | {on['live logp gap p99']:.4f} | {on['live IS filtered']:.4f} |",
-        f"| replayed (the rollout's experts) | {on['logp gap mean']:.4f} | {on['logp gap p99']:.4f} | {on['IS filtered']:.4f} |",
+        f"| live (what the trainer's routers choose) | {on['live logp gap mean']:.4f} | {on['live logp gap p99']:.4f} "
+        f"| {on['live IS filtered']:.4f} |",
+        f"| replayed (the rollout's experts) | {on['logp gap mean']:.4f} | {on['logp gap p99']:.4f} | "
+        f"{on['IS filtered']:.4f} |",
     ]
     lines += [
         '',
@@ -111,17 +118,20 @@ def main():
             for t in by_step
         )
         lines.append(
-            f"| {step} | {cell('routing/agreement')} | {cell('routing/natural_agreement')} | {cell('routing/logp_gap_p99')} | {cell('train/is_filtered')} | {cell('eval', '.3f')} |"
+            f"| {step} | {cell('routing/agreement')} | {cell('routing/natural_agreement')} | "
+            f"{cell('routing/logp_gap_p99')} | {cell('train/is_filtered')} | {cell('eval', '.3f')} |"
         )
     text = '\n'.join(lines) + '\n'
     print(text)
-    # the goal is judged on the same tokens (replayed vs live routing in one run); the two runs differ in their batches too
+    # the goal is judged on the same tokens (replayed vs live routing in one run); the two runs differ in their batches
+    # too
     goal = on['agreement'] == 1.0 and all(
         on[n] < on[f"live {n}"] for n in ('logp gap mean', 'logp gap p99', 'IS filtered')
     )
     across = all(on[n] < rows[False][n] for n in ('logp gap mean', 'logp gap p99', 'IS filtered'))
     verdict = (
-        f"Goal (replay on: 100% agreement, and a lower logprob gap (mean and p99) and IS filter fraction than live routing on the same tokens): {'met' if goal else 'NOT met'}. "
+        "Goal (replay on: 100% agreement, and a lower logprob gap (mean and p99) and IS filter fraction than live "
+        f"routing on the same tokens): {'met' if goal else 'NOT met'}. "
         f"Across the two runs (different batches) replay on is {'also' if across else 'not'} lower on all three."
     )
     print(verdict)

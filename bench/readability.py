@@ -25,7 +25,9 @@ def sources(ref: str | None) -> dict:
     if ref is None:
         files = sorted(Path('molt_nb').glob('*.py'))
         return {f.stem: f.read_text() for f in files if f.stem not in ('_modidx', '__init__')}
-    names = subprocess.run(['git', 'ls-tree', '--name-only', ref, 'molt_nb/'], capture_output=True, text=True, check=True)
+    names = subprocess.run(
+        ['git', 'ls-tree', '--name-only', ref, 'molt_nb/'], capture_output=True, text=True, check=True
+    )
     out = {}
     for path in names.stdout.split():
         stem = Path(path).stem

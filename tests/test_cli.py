@@ -80,7 +80,8 @@ PARITY = Path(__file__).resolve().parents[1] / "recipes" / "parity"
 
 
 def test_train_flags_go_anywhere(capsys):
-    "`--no-control` before, after or between the overrides: every override is kept, so both typos are named (argparse blames nothing)."
+    """`--no-control` before, after or between the overrides: every override is kept, so both typos are named (argparse
+    blames nothing)."""
     for argv in (
         ["train", str(PARITY), "--no-control", "loop.stepz=1", "loop.sead=2"],
         ["train", "--no-control", str(PARITY), "loop.stepz=1", "loop.sead=2"],

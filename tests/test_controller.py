@@ -1,7 +1,7 @@
 """The controller against a real `ray start --head` on loopback with token auth, driven through Ray Client (`ray://`)
 from separate driver processes: launch, kill the driver, attach from a new one, hot-swap, a rejected swap."""
 
-import json, os, signal, socket, subprocess, sys, tempfile, textwrap, time, uuid
+import json, os, signal, socket, subprocess, sys, tempfile, textwrap, uuid
 from pathlib import Path
 import psutil, pytest
 
@@ -17,7 +17,8 @@ def free_port() -> int:
 
 
 def session_processes(marks: list) -> list:
-    "The processes of one Ray session: those naming any of `marks` (its temp dir, its GCS address) on their command line, and their descendants"
+    """The processes of one Ray session: those naming any of `marks` (its temp dir, its GCS address) on their command
+    line, and their descendants"""
     roots = []
     for p in psutil.process_iter(['cmdline']):
         try:
@@ -113,7 +114,8 @@ def ray_head():
 
 
 def driver(code: str, env: dict) -> subprocess.Popen:
-    "A separate Python process running `code` from a file, so its functions have source (a fresh driver, as a new kernel would be)"
+    """A separate Python process running `code` from a file, so its functions have source (a fresh driver, as a new
+    kernel would be)"""
     fd, path = tempfile.mkstemp(suffix='.py', prefix='molt-driver-')
     with os.fdopen(fd, 'w') as f:
         f.write(textwrap.dedent(code))
@@ -133,7 +135,8 @@ import sys, time
 from molt_nb.config import load_config
 from molt_nb.controller import connect, launch
 connect({address!r})
-cfg = load_config({recipe!r}, ['loop.steps=100000', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8', 'run_dir="{run_dir}"'])
+overrides = ['loop.steps=100000', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8']
+cfg = load_config({recipe!r}, [*overrides, 'run_dir="{run_dir}"'])
 run = launch(cfg, name='ctl')
 run.wait(until_step=2, timeout=300)
 print('launched', flush=True)
@@ -162,7 +165,8 @@ def batch_normalised(x):  # fine on the golden batch, NaN on a batch whose rewar
     return to_tokens(x, (R - R.mean()) / R.std())
 def hang(x):
     while True: pass
-def flaky(x, calls=[]):  # passes every check (golden batches carry critic values, a run's do not), breaks on its second batch of the run
+# passes every check (golden batches carry critic values, a run's do not), breaks on its second batch of the run
+def flaky(x, calls=[]):
     from molt_nb.estimators import rloo
     if x.values is None: calls.append(1)
     if len(calls) >= 2: raise RuntimeError('flaky broke on a real batch')
@@ -197,12 +201,16 @@ status = run.status()
 run.stop(); final = run.wait(timeout=300)
 ended = refusal(run.set_estimator, loo_unscaled)
 row = resumed[resumed.step == failure['step'] + 1].iloc[0]
-print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=m.step.tolist(), steps=after.step.tolist(),
-                      swap_steps=after.loc[after['swap/estimator'].notna(), 'step'].tolist(), swap_names=after['swap/estimator'].dropna().tolist(),
-                      swap_source=after['swap/estimator/source'].dropna().tolist(), paused_at=paused_at, rejected=rejected,
-                      degenerate=degenerate, hung=hung, hang_s=hang_s, failure={{k: failure[k] for k in ('state', 'step', 'reason', 'failed_swap')}},
+swapped = after['swap/estimator']
+print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=m.step.tolist(),
+                      steps=after.step.tolist(),
+                      swap_steps=after.loc[swapped.notna(), 'step'].tolist(), swap_names=swapped.dropna().tolist(),
+                      swap_source=after['swap/estimator/source'].dropna().tolist(), paused_at=paused_at,
+                      rejected=rejected, degenerate=degenerate, hung=hung, hang_s=hang_s,
+                      failure={{k: failure[k] for k in ('state', 'step', 'reason', 'failed_swap')}},
                       trainer=algo.estimator, failed_row=[row.get('swap/failed'), row.get('swap/failed/reason')],
-                      resumed_steps=resumed.step.tolist(), swap_table=swaps[['kind', 'name', 'step', 'failed']].values.tolist(),
+                      resumed_steps=resumed.step.tolist(),
+                      swap_table=swaps[['kind', 'name', 'step', 'failed']].values.tolist(),
                       state=status['state'], final=final['state'], ended=ended)))
 run.kill()
 '''
@@ -318,9 +326,11 @@ except RuntimeError as e: stopped = str(e)
 try: run.set_estimator(quarter); refused = None
 except SwapRejected as e: refused = str(e)
 print(json.dumps(dict(ckpt=ckpt, steps=m.step.tolist(), adv_mean=m['train/adv_mean'].tolist(), reward=m.reward.tolist(),
-                      swapped=m.get('swap/estimator', m.step * 0).tolist(), rewarded=m.get('swap/reward', m.step * 0).tolist(),
+                      swapped=m.get('swap/estimator', m.step * 0).tolist(),
+                      rewarded=m.get('swap/reward', m.step * 0).tolist(),
                       trainer=algo.estimator, config=run.config()['algo']['estimator'],
-                      swap_table=run.swaps()[['kind', 'name', 'step']].values.tolist(), waited=waited, stopped=stopped, refused=refused)))
+                      swap_table=run.swaps()[['kind', 'name', 'step']].values.tolist(), waited=waited,
+                      stopped=stopped, refused=refused)))
 run.kill()
 '''
 
@@ -340,7 +350,8 @@ def test_resume_restores_hot_swaps(ray_head, tmp_path):
     assert [k[:2] for k in table] == [['estimator', 'quarter'], ['reward', 'plus_ten']] and all(
         k[2] <= ckpt for k in table
     )
-    # its trainer killed, the run failed: wait() says so in a line or two, stop() and a swap are refused saying it failed
+    # its trainer killed, the run failed: wait() says so in a line or two, stop() and a swap are refused saying it
+    # failed
     assert (
         out['waited'].startswith("run 'res' failed: ")
         and len(out['waited'].splitlines()) <= 2

@@ -1,6 +1,6 @@
 """The RL loop on a real local Ray: token identity, staleness, partial rollouts, failing agents, kill and resume."""
 
-import json, math, subprocess, sys, textwrap, time
+import json, math, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from molt_nb.config import load_config
@@ -78,7 +78,9 @@ from molt_nb.core import Result
 _fired = {None}  # the first rollout that meets each fault raises or hangs; every other one behaves
 
 def tasks(split):
-    return [dict(prompt=f"{n}:", fault=('raise', 'hang')[n % 2]) for n in range(200)] if split == 'train' else [dict(prompt='x:', fault=None)]
+    if split != 'train':
+        return [dict(prompt='x:', fault=None)]
+    return [dict(prompt=f"{n}:", fault=('raise', 'hang')[n % 2]) for n in range(200)]
 
 class Faulty(Env):
     async def reset(self, task):
@@ -190,7 +192,8 @@ def parity_with(tmp_path, reset: str) -> Path:
         head
         + src.replace(
             old,
-            f"    async def reset(self, task):\n        evaluating = int(task['prompt'][:-1]) >= 1000\n        {reset}\n        return task['prompt']",
+            "    async def reset(self, task):\n        evaluating = int(task['prompt'][:-1]) >= 1000\n        "
+            f"{reset}\n        return task['prompt']",
         )
     )
     return d
@@ -222,7 +225,8 @@ TINY_HERE = [
 
 @pytest.mark.parametrize('works', [0, 2])
 def test_time_limit_holds_when_evaluation_hangs(tmp_path, works):
-    "Every eval rollout after the first `works` hangs (timeout_s is long): the run still ends about loop.seconds, plus at most the final evaluation's grace"
+    """Every eval rollout after the first `works` hangs (timeout_s is long): the run still ends about loop.seconds, plus
+    at most the final evaluation's grace"""
     from molt_nb.loop import EVAL_GRACE_S
 
     recipe = parity_with(tmp_path, f"if evaluating and next(_evals) >= {works}: await asyncio.sleep(3600)")
@@ -249,7 +253,8 @@ def test_time_limit_holds_when_evaluation_hangs(tmp_path, works):
 
 @pytest.mark.parametrize('mode', ['sync', 'async'])
 def test_failure_stop_logs_and_checkpoints_the_steps_trained(tmp_path, mode):
-    "Train rollouts raise after three steps' worth: the run stops, and every step trained is in the metrics and the final checkpoint"
+    """Train rollouts raise after three steps' worth: the run stops, and every step trained is in the metrics and the
+    final checkpoint"""
     recipe = parity_with(
         tmp_path, "if not evaluating and next(_trains) >= 12: raise ConnectionError('scorer service is down')"
     )

@@ -76,7 +76,8 @@ def boundary(run, trajectories=None) -> asyncio.Future:
 
 
 async def boundary_after_failure(run, trajectories=None) -> tuple:
-    "Train the step at the boundary: it fails and pauses; then resume it. What the trainer returned, and the paused status"
+    """Train the step at the boundary: it fails and pauses; then resume it. What the trainer returned, and the paused
+    status"""
     task = boundary(run, trajectories)
     await until(run, lambda: run.steering.state == 'paused' or task.done(), 'the failure to pause the run')
     assert run.steering.state == 'paused', 'the step trained without the failure it should have had'
@@ -218,9 +219,9 @@ def bad_backward(logp, old, adv, mask, cfg):
 
 
 def test_nonfinite_gradient_costs_the_update_not_the_run(tmp_path):
-    """A built-in loss with a non-finite gradient: the step skips its update, counts it in train/nonfinite_steps, and the
-    run goes on to finish. A swapped loss doing the same (or whose backward pass raises) is suspected: the run goes back
-    to the loss it replaced and pauses, as for a swap that raises"""
+    """A built-in loss with a non-finite gradient: the step skips its update, counts it in train/nonfinite_steps, and
+    the run goes on to finish. A swapped loss doing the same (or whose backward pass raises) is suspected: the run
+    goes back to the loss it replaced and pauses, as for a swap that raises"""
     POLICY_LOSSES['test/nan_gradient'] = nan_gradient
     try:
         cfg = toy(tmp_path / 'builtin', 'loop.steps=2')
@@ -254,7 +255,10 @@ def test_nonfinite_gradient_costs_the_update_not_the_run(tmp_path):
             await run.resume()
             await until(run, lambda: run.steering.failed_swap == f"loss {fn.__name__!r}", f"{fn.__name__} to fail")
             assert says in run.steering.reason and "back to 'ppo'" in run.steering.reason, run.steering.reason
-            assert run.orchestrator.trainer.actor.algo.loss.policy_loss == 'ppo' and run.orchestrator.trainer.actor.version == 0
+            assert (
+                run.orchestrator.trainer.actor.algo.loss.policy_loss == 'ppo'
+                and run.orchestrator.trainer.actor.version == 0
+            )
         await run.resume()
         await until(run, run.task.done, 'the run to end')
         assert run.steering.state == 'finished', run.steering.reason
