@@ -1,4 +1,5 @@
-"""Deliberately broken recipes through the real `molt-nb train`: each mistake ends in seconds with a message that names it.
+"""Deliberately broken recipes through the real `molt-nb train`: each mistake ends in seconds with a message that
+names it.
 
 Each case copies the parity recipe into a temporary directory and breaks one thing. One case runs the real
 `molt-nb` command in a subprocess; the others call `cli.main` in a thread of this process (no second import of
@@ -34,7 +35,7 @@ def recipe(root: Path, name: str, old: str = '', new: str = '') -> Path:
     src = (PARITY / 'agent.py').read_text()
     assert old in src
     (d / 'agent.py').write_text(
-        src.replace(old, new) + (f"\n_calls = __import__('itertools').count()\n" if '_calls' in new else '')
+        src.replace(old, new) + ("\n_calls = __import__('itertools').count()\n" if '_calls' in new else '')
     )
     return d
 
@@ -47,7 +48,7 @@ BEFORE_RAY = dict(
         ["Parity.reset returned a list (['", "needs the prompt as a string"],
     ),
     step_float=(("return Result(reward=", "return ("), [], ["Parity.step returned a float", "expected a Result"]),
-    no_tasks=(("def tasks(split:str)", "def train_tasks(split:str)"), [], ["does not export tasks(split)"]),
+    no_tasks=(("def tasks(split: str)", "def train_tasks(split: str)"), [], ["does not export tasks(split)"]),
     typos=(
         None,
         ['rollouts.n_samples=2', 'loop.stepz=3'],
@@ -81,7 +82,8 @@ def run_cli(argv: list, capsys) -> tuple:
 
 
 def test_reset_list_named_by_the_real_command(tmp_path):
-    "The real `molt-nb train` on an Env.reset returning a list: the check names it in seconds (it used to hang at 0/2 steps)"
+    """The real `molt-nb train` on an Env.reset returning a list: the check names it in seconds (it used to hang at 0/2
+    steps)"""
     d = recipe(tmp_path, 'reset_list', *BEFORE_RAY['reset_list'][0])
     start = time.monotonic()
     try:
@@ -123,12 +125,14 @@ def run_seconds(run_dir: Path) -> float:
 
 
 def test_raising_reward_is_shown_counted_and_run_goes_on(ray_local, tmp_path, capsys):
-    "A reward that raises on some inputs: those rollouts fail (dropped from training, 0 in evaluation), counted, first traceback shown"
+    """A reward that raises on some inputs: those rollouts fail (dropped from training, 0 in evaluation), counted, first
+    traceback shown"""
     d = recipe(
         tmp_path,
         'raise7',
-        "    async def step(self, turn): return Result(",
-        "    async def step(self, turn):\n        if int(turn.task['prompt'][:-1]) % 7 == 0: raise ValueError('cannot score ' + turn.text)\n        return Result(",
+        "    async def step(self, turn):\n        return Result(",
+        "    async def step(self, turn):\n        if int(turn.task['prompt'][:-1]) % 7 == 0: raise ValueError('cannot "
+        "score ' + turn.text)\n        return Result(",
     )
     run_dir = tmp_path / 'run'
     code, out, err, seconds = run_cli(
@@ -149,8 +153,9 @@ def test_rollouts_that_keep_failing_stop_the_run(ray_local, tmp_path, capsys):
     d = recipe(
         tmp_path,
         'down',
-        "    async def reset(self, task): return task['prompt']",
-        "    async def reset(self, task):\n        if next(_calls) >= 2: raise ConnectionError('scorer service is down')\n        return task['prompt']",
+        "    async def reset(self, task):\n        return task['prompt']",
+        "    async def reset(self, task):\n        if next(_calls) >= 2: raise ConnectionError('scorer service is "
+        "down')\n        return task['prompt']",
     )
     code, out, err, seconds = run_cli(
         ['train', str(d), *TINY, 'rollout.failure_window=8', f'run_dir="{tmp_path}/run"'], capsys
@@ -167,8 +172,9 @@ def test_time_limit_holds_when_no_step_completes(ray_local, tmp_path, capsys):
     d = recipe(
         tmp_path,
         'hang',
-        "    async def reset(self, task): return task['prompt']",
-        "    async def reset(self, task):\n        if next(_calls) >= 2: await __import__('asyncio').sleep(3600)\n        return task['prompt']",
+        "    async def reset(self, task):\n        return task['prompt']",
+        "    async def reset(self, task):\n        if next(_calls) >= 2: await __import__('asyncio').sleep(3600)\n    "
+        "    return task['prompt']",
     )
     code, out, err, seconds = run_cli(
         ['train', str(d), *TINY, 'loop.seconds=3', 'rollout.timeout_s=600', f'run_dir="{tmp_path}/run"'], capsys
@@ -182,15 +188,17 @@ def test_time_limit_holds_when_no_step_completes(ray_local, tmp_path, capsys):
 
 
 def test_held_out_gives_up_on_a_hanging_eval_rollout(tmp_path):
-    "held_out (the warm start's and the control's evaluation) fails an Env that never returns after rollout.timeout_s, instead of hanging"
+    """held_out (the warm start's and the control's evaluation) fails an Env that never returns after rollout.timeout_s,
+    instead of hanging"""
     from molt_nb.config import build_policy, load_config
     from molt_nb.train import held_out
 
     d = recipe(
         tmp_path,
         'hang_eval',
-        "    async def reset(self, task): return task['prompt']",
-        "    async def reset(self, task):\n        if task['prompt'] == '1001:': await __import__('asyncio').sleep(3600)\n        return task['prompt']",
+        "    async def reset(self, task):\n        return task['prompt']",
+        "    async def reset(self, task):\n        if task['prompt'] == '1001:': await "
+        "__import__('asyncio').sleep(3600)\n        return task['prompt']",
     )
     cfg = load_config(d, ['loop.eval_tasks=2', 'rollout.timeout_s=2', f'run_dir="{tmp_path}/run"'])
     model, tok = build_policy(cfg)
