@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from .core import Segment, SamplingParams
-from .agents import render, encode, turn_glue, absorb
+from .chat import render, encode, turn_glue, absorb
 
 # %% ../nbs/06_chat_server.ipynb #104ba11f
 class ChatError(Exception):

@@ -100,7 +100,7 @@ def _load(name: str, seed: int):
 def train_command(args):
     "`molt-nb train`: validate the config (before Ray starts), run the job, print the summary"
     from molt_nb.config import load_config
-    from molt_nb.loop import RecipeError
+    from molt_nb.recipe import RecipeError
     from molt_nb.pool import RunStopped
     from molt_nb.train import train
 
@@ -108,13 +108,15 @@ def train_command(args):
         cfg = load_config(args.recipe, args.overrides)
     except ValueError as e:
         sys.exit(
-            f"molt-nb train: bad config: {e}\nFix the recipe's recipe.toml or the section.field=value overrides (every field is documented in molt_nb/config.py)."
+            f"molt-nb train: bad config: {e}\nFix the recipe's recipe.toml or the section.field=value overrides (every "
+            "field is documented in molt_nb/config.py)."
         )
     try:
         summary = train(cfg, with_control=not args.no_control)
     except RecipeError as e:
         sys.exit(
-            f"molt-nb train: the recipe's agent module is broken: {e}\nrecipes/README.md says what an agent module must export and what each function returns."
+            f"molt-nb train: the recipe's agent module is broken: {e}\nrecipes/README.md says what an agent module "
+            "must export and what each function returns."
         )
     except RunStopped as e:
         sys.exit(f"molt-nb train: the run stopped: {e}\nIts metrics, samples and failures.json are in {cfg.run_dir}.")
@@ -124,7 +126,8 @@ def train_command(args):
 
 
 def _stop_ids(model, tokenizer) -> tuple:
-    "Where a reply ends, as in a chat: the tokenizer's EOS and the model's own (a chat checkpoint may end turns at another)"
+    """Where a reply ends, as in a chat: the tokenizer's EOS and the model's own (a chat checkpoint may end turns at
+    another)"""
     own = getattr(getattr(model, 'generation_config', None), 'eos_token_id', None)
     ids = [tokenizer.eos_token_id, *(own if isinstance(own, (list, tuple)) else [own])]
     return tuple(dict.fromkeys(i for i in ids if i is not None))

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['LOOP_MODES', 'ENGINE_DTYPES', 'ModelConfig', 'WarmStartConfig', 'RolloutConfig', 'TrainConfig', 'LoopConfig',
-           'RunConfig', 'check', 'load_config', 'build_policy']
+           'RunConfig', 'check', 'load_config', 'flatten_fields', 'with_fields', 'build_policy']
 
 # %% ../nbs/09_config.ipynb #1105c60e
 import dataclasses, difflib, tomllib, types
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from .actor import AlgoConfig, OptimConfig
 from .estimators import get_estimator
-from .losses import LossConfig, ISConfig
 from .models import TinyConfig, build_model, build_tokenizer, load_policy
 from .routing import RoutingConfig
 
@@ -92,7 +91,9 @@ class LoopConfig:
     max_staleness: int = 1  # async/partial: groups with a token older than this many versions are dropped
     steps: int = 100  # training steps
     seconds: float | None = (
-        None  # stop after this much wall time (whichever comes first), evaluations included (the last may run over by 5 s or a tenth of this)
+        # stop after this much wall time (whichever comes first), evaluations included (the last may run over by 5 s or
+        # a tenth of this)
+        None
     )
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and the end)
     eval_tasks: int | None = None  # evaluate on the first n eval tasks (None: all)
@@ -234,11 +235,13 @@ def check(cfg: RunConfig) -> RunConfig:
     r, lp = cfg.rollout, cfg.loop
     if not Path(cfg.recipe).is_dir():
         raise ValueError(
-            f"recipe is {cfg.recipe!r}, which is not a directory: give the path of a recipe directory such as recipes/arith"
+            f"recipe is {cfg.recipe!r}, which is not a directory: give the path of a recipe directory such as "
+            "recipes/arith"
         )
     if not cfg.agent_path.is_file():
         raise ValueError(
-            f"agent is {cfg.agent!r}, but {str(cfg.agent_path)!r} does not exist: the recipe needs an agent module exporting AgentRunner and tasks(split)"
+            f"agent is {cfg.agent!r}, but {str(cfg.agent_path)!r} does not exist: the recipe needs an agent module "
+            "exporting AgentRunner and tasks(split)"
         )
     for name in (
         'n_samples',
@@ -253,19 +256,22 @@ def check(cfg: RunConfig) -> RunConfig:
             raise ValueError(f"rollout.{name} is {getattr(r, name)!r}, expected an int >= 1")
     if get_estimator(cfg.algo.estimator).grouped and r.n_samples < 2:
         raise ValueError(
-            f"rollout.n_samples is {r.n_samples}, but algo.estimator={cfg.algo.estimator!r} compares the rollouts of a group: use n_samples >= 2"
+            f"rollout.n_samples is {r.n_samples}, but algo.estimator={cfg.algo.estimator!r} compares the rollouts of a "
+            "group: use n_samples >= 2"
         )
     if r.min_successes > r.n_samples:
         raise ValueError(f"rollout.min_successes is {r.min_successes}, more than rollout.n_samples={r.n_samples}")
     if cfg.train.micro_batch_rows < cfg.rollouts_per_step and cfg.rollouts_per_step % cfg.train.micro_batch_rows:
         raise ValueError(
-            f"train.micro_batch_rows is {cfg.train.micro_batch_rows}, which does not divide the {cfg.rollouts_per_step} rollouts of a step (rollout.groups_per_step x rollout.n_samples)"
+            f"train.micro_batch_rows is {cfg.train.micro_batch_rows}, which does not divide the "
+            f"{cfg.rollouts_per_step} rollouts of a step (rollout.groups_per_step x rollout.n_samples)"
         )
     if lp.mode not in LOOP_MODES:
         raise ValueError(f"loop.mode is {lp.mode!r}, expected one of {LOOP_MODES}")
     if lp.mode != 'sync' and r.groups_in_flight < r.groups_per_step:
         raise ValueError(
-            f"rollout.groups_in_flight is {r.groups_in_flight}, fewer than rollout.groups_per_step={r.groups_per_step}: a step could never fill"
+            f"rollout.groups_in_flight is {r.groups_in_flight}, fewer than "
+            f"rollout.groups_per_step={r.groups_per_step}: a step could never fill"
         )
     if (r.keep_low is None) != (r.keep_high is None):
         raise ValueError("rollout.keep_low and rollout.keep_high go together: set both (e.g. 0 and 1) or neither")
@@ -273,25 +279,29 @@ def check(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"rollout.keep_low={r.keep_low} must be below rollout.keep_high={r.keep_high}")
     if not 0 <= r.max_failure_rate <= 1 or r.failure_window < 1:
         raise ValueError(
-            f"rollout.max_failure_rate is {r.max_failure_rate} and rollout.failure_window {r.failure_window}: give a fraction in [0, 1] (1 never stops) and a window >= 1"
+            f"rollout.max_failure_rate is {r.max_failure_rate} and rollout.failure_window {r.failure_window}: give a "
+            "fraction in [0, 1] (1 never stops) and a window >= 1"
         )
     if r.dtype not in ENGINE_DTYPES:
         raise ValueError(f"rollout.dtype is {r.dtype!r}, expected one of {ENGINE_DTYPES}")
     if abs(cfg.algo.temperature - r.temperature) > 1e-9:
         raise ValueError(
-            f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must score tokens at the temperature they were sampled at"
+            f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must "
+            "score tokens at the temperature they were sampled at"
         )
     if not r.temperature > 0:
         raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
     if lp.steps < 1 or lp.max_staleness < 0 or lp.eval_every < 0 or lp.flush_every < 1:
         raise ValueError(
-            f"loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got {lp.steps}, {lp.flush_every}, {lp.max_staleness}, {lp.eval_every}"
+            "loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got "
+            f"{lp.steps}, {lp.flush_every}, {lp.max_staleness}, {lp.eval_every}"
         )
     if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0:
         raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
     if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
         raise ValueError(
-            f"model.path is {cfg.model.path!r}, which is not a directory: give a local checkpoint directory or leave it unset for the tiny model"
+            f"model.path is {cfg.model.path!r}, which is not a directory: give a local checkpoint directory or leave "
+            "it unset for the tiny model"
         )
     return cfg
 
@@ -331,6 +341,31 @@ def load_config(
     rollout, algo = table.get('rollout'), table.setdefault('algo', {})
     if isinstance(rollout, dict) and isinstance(algo, dict) and 'temperature' in rollout:
         algo.setdefault('temperature', rollout['temperature'])
+    return check(_build(RunConfig, table))
+
+# %% ../nbs/09_config.ipynb #9a34ed06
+def flatten_fields(fields: dict, prefix: str = '') -> dict:
+    "Nested dicts of fields as dotted names: {'optim': {'lr': 3e-4}} -> {'optim.lr': 3e-4} (agent_options stays a dict)"
+    out = {}
+    for k, v in fields.items():
+        if isinstance(v, dict) and k != 'agent_options':
+            out |= flatten_fields(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def with_fields(cfg: RunConfig, fields: dict) -> RunConfig:
+    "`cfg` with `fields` (nested dicts or dotted names) changed, validated as `load_config` validates a recipe"
+    table = asdict(cfg)
+    for name, value in flatten_fields(fields).items():
+        *parents, leaf = name.split('.')
+        t = table
+        for p in parents:
+            t = t.get(p) if isinstance(t, dict) else None
+        if not isinstance(t, dict) or leaf not in t:
+            raise ValueError(f"unknown field {name}")
+        t[leaf] = value
     return check(_build(RunConfig, table))
 
 # %% ../nbs/09_config.ipynb #342d702c

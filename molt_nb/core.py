@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['SamplingParams', 'filters_off', 'process_logits', 'token_logprobs', 'Segment', 'Trajectory', 'Result', 'Batch',
-           'collate', 'check_registration']
+           'collate', 'check_registration', 'write_atomic']
 
 # %% ../nbs/00_core.ipynb #2bda2262
-import dataclasses, math
+import dataclasses, math, os, uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
@@ -621,3 +622,17 @@ def check_registration(
         f"{kind} {name!r} is already registered to {_qualified(old)}: pass replace=True to replace it "
         f"with {_qualified(new)} (a hot swap), or register yours under another name"
     )
+
+# %% ../nbs/00_core.ipynb #bd8c49a8
+def write_atomic(
+    path,  # the file to write (its directory must exist)
+    data: str | bytes,  # its whole new content
+):
+    "Replace `path` by `data` through a temporary file in the same directory, flushed to disk, and a rename"
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, 'wb') as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

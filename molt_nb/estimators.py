@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 from .core import Batch, Trajectory, check_registration, collate
-from .golden import Golden, golden_case, _ROLLOUTS, _segment
+from .golden import Golden, golden_case, GOLDEN_ROLLOUTS, golden_segment
 
 # %% ../nbs/07_estimators.ipynb #03ad8657
 @dataclass(eq=False)
@@ -336,7 +336,7 @@ def _rollouts(spec: list) -> list:
     out, seen = [], {}
     for i, (group, reward, segments) in enumerate(spec):
         n = seen[group] = seen.get(group, -1) + 1
-        segs = [_segment(p, 10 * i + j) for j, p in enumerate(segments)]
+        segs = [golden_segment(p, 10 * i + j) for j, p in enumerate(segments)]
         out.append(Trajectory(f"{group}/r{n}", group, int(group[1:]), segments=segs, reward=reward))
     return out
 
@@ -345,17 +345,17 @@ def degenerate_rollouts(
     long_tokens: int = 2048,  # action tokens of the long rollout
 ) -> dict:
     "The golden rollouts made degenerate the ways real batches are: case name -> list of `Trajectory`"
-    masked = list(_ROLLOUTS)
+    masked = list(GOLDEN_ROLLOUTS)
     masked[0] = (*masked[0][:2], _observed(masked[0][2]))  # a rollout with no action token
     group, reward, (first, second) = masked[2]
     masked[2] = (group, reward, [first, *_observed([second])])  # a compacted rollout whose second row has none
     return {
         k: _rollouts(spec)
         for k, spec in dict(
-            equal_rewards=[(g, 1.0, s) for g, _, s in _ROLLOUTS],
-            one_sample_groups=[(f"g{i}", r, s) for i, (_, r, s) in enumerate(_ROLLOUTS)],
+            equal_rewards=[(g, 1.0, s) for g, _, s in GOLDEN_ROLLOUTS],
+            one_sample_groups=[(f"g{i}", r, s) for i, (_, r, s) in enumerate(GOLDEN_ROLLOUTS)],
             masked_rows=masked,
-            long=[*_ROLLOUTS, ('g1', 0.5, [[('o', 3), ('a', long_tokens, 5)]])],
+            long=[*GOLDEN_ROLLOUTS, ('g1', 0.5, [[('o', 3), ('a', long_tokens, 5)]])],
         ).items()
     }
 

@@ -6,7 +6,7 @@
 __all__ = ['KL_ESTIMATORS', 'IS_LEVELS', 'IS_MODES', 'POLICY_LOSSES', 'AGGREGATIONS', 'kl_estimate', 'FixedKL', 'AdaptiveKL',
            'ISConfig', 'ISResult', 'is_correction', 'policy_loss', 'get_policy_loss', 'LossConfig', 'ppo_clipped',
            'ppo_loss', 'gspo_clipped', 'gspo_loss', 'cispo_clipped', 'cispo_loss', 'loss_denominator', 'aggregate',
-           'compute_loss', 'group_drop_reason', 'group_filter']
+           'compute_loss', 'group_drop_reason', 'group_filter', 'golden_loss_inputs']
 
 # %% ../nbs/08_losses.ipynb #cabfe976
 import dataclasses, math
@@ -254,6 +254,7 @@ def policy_loss(
     name: str,  # the name `LossConfig.policy_loss` selects it by
     clipped=None,  # fn(logp, old_logp, adv, mask, cfg) -> (B, T) bool, the tokens its clip changes
     replace: bool = False,  # replace a different function registered as `name` (a hot swap)
+    zero_adv_no_grad: bool = False,  # a token whose advantage is 0 adds exactly 0 to its gradient (rows skippable)
 ):
     "Register `fn(logp, old_logp, adv, mask, cfg) -> (B, T) loss` as the policy loss `name`, with its clip rule"
 
@@ -261,6 +262,7 @@ def policy_loss(
         check_registration('policy loss', name, POLICY_LOSSES.get(name), fn, replace)
         if clipped is not None:
             fn.clipped = clipped
+        fn.zero_adv_no_grad = zero_adv_no_grad
         POLICY_LOSSES[name] = fn
         return fn
 
@@ -362,7 +364,7 @@ def ppo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     return out | (mask & (adv < 0) & (ratio > cfg.dual_clip))
 
 
-@policy_loss('ppo', clipped=ppo_clipped)
+@policy_loss('ppo', clipped=ppo_clipped, zero_adv_no_grad=True)
 def ppo_loss(
     logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
     old_logp: Tensor,  # (B, T) logprobs before this update, detached
@@ -388,7 +390,7 @@ def gspo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     return _clip_binds(_seq_log_ratio(logp, old_logp, mask).exp().expand_as(adv), adv, mask, cfg)
 
 
-@policy_loss('gspo', clipped=gspo_clipped)
+@policy_loss('gspo', clipped=gspo_clipped, zero_adv_no_grad=True)
 def gspo_loss(
     logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
     old_logp: Tensor,  # (B, T) logprobs before this update, detached
@@ -409,7 +411,7 @@ def cispo_clipped(logp, old_logp, adv, mask, cfg) -> Tensor:
     return mask & ((ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high))
 
 
-@policy_loss('cispo', clipped=cispo_clipped)
+@policy_loss('cispo', clipped=cispo_clipped, zero_adv_no_grad=True)
 def cispo_loss(
     logp: Tensor,  # (B, T) logprobs at the current weights, with gradient
     old_logp: Tensor,  # (B, T) logprobs before this update, detached
@@ -483,13 +485,15 @@ def compute_loss(
     logp_ref: Tensor | None = None,  # (B, T) reference logprobs, required when the KL term is on
     denominator: float | None = None,  # `loss_denominator` of the whole optimizer step; None: this batch's
     kl_coef: float | None = None,  # overrides cfg.kl_coef (an adaptive controller's value)
+    policy_loss_fn=None,  # the policy loss itself, instead of the one registered as cfg.policy_loss (a check)
 ) -> tuple[Tensor, dict, ISResult]:  # scalar loss, metrics (floats), the IS decision
     "The scalar loss of one micro-batch, its metrics and the IS decision"
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     _check_loss_inputs(logp, old_logp, adv, batch, logp_ref, kl_coef)
     mask, old_logp = batch.action_mask, old_logp.detach()
     correction = is_correction(old_logp, batch.logprobs, mask, cfg.is_correction, batch.versions, version)
-    loss_fn, clean = get_policy_loss(cfg.policy_loss), _clean_adv(adv, mask)
+    loss_fn = get_policy_loss(cfg.policy_loss) if policy_loss_fn is None else policy_loss_fn
+    clean = _clean_adv(adv, mask)
     pg = loss_fn(logp, old_logp, clean, correction.keep, cfg) * correction.coef
     total, metrics = pg, {}
     if kl_coef > 0:
@@ -557,7 +561,7 @@ def group_filter(
     return keep, metrics | {k: float(v) for k, v in counts.items()}
 
 # %% ../nbs/08_losses.ipynb #2fa57896
-def _golden_inputs(g) -> tuple:
+def golden_loss_inputs(g) -> tuple:
     "(leaf logp with gradient, old logp, advantages) of the golden batch"
     adv = torch.where(g.batch.action_mask, (g.batch.rewards - 0.5)[:, None], 0.0)
     return g.logp_new.clone().requires_grad_(), g.logp, adv
@@ -565,7 +569,7 @@ def _golden_inputs(g) -> tuple:
 
 def _loss_case(g, cfg: LossConfig) -> dict:
     "Per-token loss, gradient of the aggregated loss wrt logp, and metrics"
-    logp, old, adv = _golden_inputs(g)
+    logp, old, adv = golden_loss_inputs(g)
     loss, metrics, _ = compute_loss(logp, old, adv, g.batch, cfg, version=g.version)
     loss.backward()
     return (
@@ -610,7 +614,7 @@ def _aggregation_case(g) -> dict:
         cfg = LossConfig(
             aggregation=mode, norm_length=8, kl_coef=0.1, is_correction=ISConfig('token', 'mask', 0.8, 1.25)
         )
-        logp, old, adv = _golden_inputs(g)
+        logp, old, adv = golden_loss_inputs(g)
         loss = compute_loss(logp, old, adv, g.batch, cfg, version=g.version, logp_ref=g.logp_ref)[0]
         loss.backward()
         out[f'{mode}/loss'], out[f'{mode}/grad'] = loss.detach(), logp.grad

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
-from .loop import RunStore
+from .store import RunStore
 
 # %% ../nbs/16_widgets.ipynb #16b679ae
 class StoreSource:

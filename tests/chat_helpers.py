@@ -2,7 +2,7 @@
 the warm-started model itself (a fixture), and a spy on the engine."""
 
 import pytest, torch
-from molt_nb.agents import render
+from molt_nb.chat import render
 from molt_nb.core import SamplingParams
 from molt_nb.models import build_tokenizer, tiny_dense
 from molt_nb.train import demo_rows, supervised

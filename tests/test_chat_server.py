@@ -11,7 +11,8 @@ messages, no lost glue).
 import asyncio, copy, json
 import pytest, torch
 import anthropic, httpx2, openai
-from molt_nb.agents import ChatAgent, ChatAgentRunner, encode, render
+from molt_nb.agents import ChatAgent, ChatAgentRunner
+from molt_nb.chat import encode, render
 from molt_nb.chat_server import ChatServer
 from molt_nb.core import Result, SamplingParams, collate
 from molt_nb.engine import TorchEngine

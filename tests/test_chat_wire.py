@@ -11,7 +11,8 @@ with a 400 that says so, retries told apart from new samples, and tokenisation o
 import asyncio, copy, json, time
 import pytest, torch
 import anthropic, openai
-from molt_nb.agents import Env, StepEnvRunner, encode, render
+from molt_nb.agents import Env, StepEnvRunner
+from molt_nb.chat import encode, render
 from molt_nb.chat_server import ChatError, ChatServer, Session, chat_turn, openai_body, openai_events
 from molt_nb.core import Result, SamplingParams
 from molt_nb.engine import TorchEngine

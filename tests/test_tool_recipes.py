@@ -8,7 +8,8 @@ then trains the warm-started recipe on a real local Ray and checks every trained
 import dataclasses, json
 from pathlib import Path
 import pytest, torch
-from molt_nb.agents import encode, load_agent, _module
+from molt_nb.agents import load_agent, load_module
+from molt_nb.chat import encode
 from molt_nb.config import load_config
 from molt_nb.core import SamplingParams
 from molt_nb.engine import Generation
@@ -55,7 +56,7 @@ def _split(tok, tr) -> tuple:
 def test_tool_turn_masks(recipe):
     "A scripted tool call and answer through the real SDK: both are trained, the tool's output is masked"
     cfg, tok = load_config(ROOT / 'recipes' / recipe), build_tokenizer()
-    module = _module(cfg.agent_path)
+    module = load_module(cfg.agent_path)
     task = module.tasks('train')[0]
     arguments = json.dumps(dict(code=task['code']))
     call = f'<tool_call>\n{{"name": "python", "arguments": {arguments}}}\n</tool_call><|im_end|>'

@@ -6,10 +6,10 @@ as `input_schema`, calls as `tool_use` blocks, all results of a turn as `tool_re
 
 from pathlib import Path
 import anthropic
-from molt_nb.agents import ChatAgent, ChatAgentRunner, _module
+from molt_nb.agents import ChatAgent, ChatAgentRunner, load_module
 from molt_nb.core import Result
 
-shared = _module(Path(__file__).resolve().parent.parent / 'tool_openai' / 'agent.py')
+shared = load_module(Path(__file__).resolve().parent.parent / 'tool_openai' / 'agent.py')
 tasks, demos, call_tool, MAX_TURNS = shared.tasks, shared.demos, shared.call_tool, shared.MAX_TURNS
 PYTHON = dict(
     name='python',

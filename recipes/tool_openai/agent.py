@@ -8,7 +8,8 @@ chat server records the tokens; the tool output the agent sends back enters the 
 
 import json, random
 import openai
-from molt_nb.agents import ChatAgent, ChatAgentRunner, render
+from molt_nb.agents import ChatAgent, ChatAgentRunner
+from molt_nb.chat import render
 from molt_nb.core import Result
 from molt_nb.tools import run_python
 
