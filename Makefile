@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: golden golden-check run test setup check-clean check-export check-readme nbtest nbval pytest readme
+.PHONY: golden golden-check run test setup lint lint-fix check-clean check-export check-readme nbtest nbval pytest readme
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,10 +36,21 @@ run: setup
 
 ## make test: every step of the suite, each reported as it ends even when an earlier one failed; then a summary,
 ## a check that the suite changed no file of the checkout, and pytest's summary line last. Non-zero if any failed.
-STEPS := check-clean check-export check-readme golden-check nbval pytest
+STEPS := lint check-clean check-export check-readme golden-check nbval pytest
 
 test: setup
 	@.ci/steps $(STEPS)
+
+## make lint: the formatter and the linter (config in pyproject.toml's [tool.ruff]) on the sources; the generated
+## modules are held to 120 characters a line by tests/test_structure.py. `make lint-fix` formats and fixes what it can.
+LINTED := nbs tests bench recipes
+lint: setup
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+
+lint-fix: setup
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
 
 # Hash the files `find $(1)` lists, run $(2), fail with message $(3) if any changed.
 define unchanged

@@ -103,22 +103,32 @@ def main():
     )
     for w in windows:
         print(
-            f"dashboard {'on ' if w['on'] else 'off'} steps {w['first']}..{w['last']}: {w['rate']:.1f} rollouts/s, this process {1000 * w['cpu']:.0f} ms CPU per s"
+            f"dashboard {'on ' if w['on'] else 'off'} steps {w['first']}..{w['last']}: {w['rate']:.1f} rollouts/s, "
+            f"this process {1000 * w['cpu']:.0f} ms CPU per s"
             + (f" (dashboard took in {w['redraws']} metrics rows; errors so far {w['errors']})" if w['on'] else '')
         )
     cpu_on, cpu_off = (statistics.median(w['cpu'] for w in windows if w['on'] is k) for k in (True, False))
     print(
-        f"dashboard CPU: {1000 * (cpu_on - cpu_off):.0f} ms per second (median on window {1000 * cpu_on:.0f}, off {1000 * cpu_off:.0f}), {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of this machine's {os.cpu_count()} cores"
+        f"dashboard CPU: {1000 * (cpu_on - cpu_off):.0f} ms per second (median on window {1000 * cpu_on:.0f}, off "
+        f"{1000 * cpu_off:.0f}), {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of this machine's {os.cpu_count()} "
+        "cores"
     )
     print(
-        f"on/off per pair: {' '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f}, 90% interval {lo:.3f}..{hi:.3f} (goal: the dashboard costs < 3% of samples/s: {verdict})"
+        f"on/off per pair: {' '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f}, 90% interval {lo:.3f}..{hi:.3f} "
+        f"(goal: the dashboard costs < 3% of samples/s: {verdict})"
     )
     if a.append:
+        where = platform.node() or 'this machine'
+        moves = ', '.join(
+            f"{k.removeprefix('time_')} {phases[False][k]:.2f} -> {phases[True][k]:.2f}" for k in phases[True]
+        )
+        share = 100 * (cpu_on - cpu_off) / os.cpu_count()
         text = f"""
 
 ## Controller: what a live dashboard costs ({datetime.date.today()})
 
-`.venv/bin/python bench/controller.py --window {a.window:g} --pairs {a.pairs} --refresh {a.refresh:g}` on {platform.node() or 'this machine'} ({os.cpu_count()} cores, no GPU):
+`.venv/bin/python bench/controller.py --window {a.window:g} --pairs {a.pairs} --refresh {a.refresh:g}` on {where}
+({os.cpu_count()} cores, no GPU):
 recipes/parity launched once through `molt_nb.controller.launch` on a private local Ray; after 20 warm-up steps,
 {a.window:g} s windows alternate dashboard off / on / off ...; in an "on" window the benchmark process (the notebook
 kernel's stand-in, on the same 2 cores as the run) does the dashboard's poll every {a.refresh:g} s: new metrics rows
@@ -126,10 +136,12 @@ fetched, curves redrawn, the newest step's samples fetched and drawn. Rollouts t
 run's metrics clock; each "on" window against the mean of the "off" windows on either side. The {a.pairs} pairs'
 on/off ratios, sorted: {' '.join(f'{r:.2f}' for r in sorted(ratios))}.
 
-Where a step's time goes (ms, median over windows), off -> on: {', '.join(f"{k.removeprefix('time_')} {phases[False][k]:.2f} -> {phases[True][k]:.2f}" for k in phases[True])}.
-Median on/off = {ratio:.3f} (90% bootstrap interval {lo:.3f}..{hi:.3f}). Goal (the dashboard costs under 3% of samples/s): {verdict}.
-The benchmark process used {1000 * cpu_on:.0f} ms of CPU per second with the dashboard and {1000 * cpu_off:.0f} ms without (medians
-over windows): the dashboard itself costs {1000 * (cpu_on - cpu_off):.0f} ms per second, {100 * (cpu_on - cpu_off) / os.cpu_count():.1f}% of the machine's {os.cpu_count()} cores.
+Where a step's time goes (ms, median over windows), off -> on: {moves}.
+Median on/off = {ratio:.3f} (90% bootstrap interval {lo:.3f}..{hi:.3f}).
+Goal (the dashboard costs under 3% of samples/s): {verdict}.
+The benchmark process used {1000 * cpu_on:.0f} ms of CPU per second with the dashboard and {1000 * cpu_off:.0f} ms
+without (medians over windows): the dashboard itself costs {1000 * (cpu_on - cpu_off):.0f} ms per second,
+{share:.1f}% of the machine's {os.cpu_count()} cores.
 """
         with open(a.append, 'a') as f:
             f.write(text)

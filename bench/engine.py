@@ -1,8 +1,8 @@
 """TorchEngine vs transformers' `generate` on the same tiny model and batch, side by side in one run.
 
 Both sample 64 prompts x 64 new tokens at temperature 1 and return per-token logprobs; for the MoE
-model both also capture every layer's expert ids per token (generate through gate hooks, the way
-platform.md measured it). Repetitions alternate between the two, and the ratio of medians is reported.
+model both also capture every layer's expert ids per token (generate through gate hooks on the MoE
+routers). Repetitions alternate between the two, and the ratio of medians is reported.
 
     .venv/bin/python bench/engine.py [--reps 9] [--append bench/RESULTS.md]
 """
@@ -57,7 +57,8 @@ def engine_generate(engine, prompts, loop):
 
 
 def timed(fn) -> float:
-    "Seconds `fn` takes with the garbage collector held off (as timeit does): a full collection of this process's objects costs ~0.2 s and would land at random in either side."
+    """Seconds `fn` takes with the garbage collector held off (as timeit does): a full collection of this process's
+    objects costs ~0.2 s and would land at random in either side."""
     gc.collect()
     gc.disable()
     try:
@@ -113,7 +114,8 @@ def main():
         "|---|---|---:|---:|---:|",
     ]
     lines += [
-        f"| {r['model']} | {r['threads']} / {r['engine_threads']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} "
+        f"| {r['model']} | {r['threads']} / {r['engine_threads']} | {r['generate_tok_s']:,.0f} | "
+        f"{r['engine_tok_s']:,.0f} "
         f"| **{r['ratio']:.2f}x** [{r['low']:.2f}, {r['high']:.2f}] |"
         for r in rows
     ]
@@ -127,8 +129,10 @@ def main():
                 f"({platform.machine()}), no GPU, torch {torch.__version__}. Batch {B} prompts x {P} tokens, {N} new "
                 "tokens each, temperature 1, per-token logprobs returned by both; for the MoE model both also return "
                 "every layer's expert ids per token (engine: in each Generation; generate: gate hooks). "
-                "The engine is driven from one long-lived event loop; the garbage collector is held off inside timed regions. "
-                f"{args.reps} alternating repetitions after 2 warm-ups; speed-up = generate time / engine time per adjacent "
+                "The engine is driven from one long-lived event loop; the garbage collector is held off inside timed "
+                "regions. "
+                f"{args.reps} alternating repetitions after 2 warm-ups; speed-up = generate time / engine time per "
+                "adjacent "
                 "pair, median and range. Goal: >= 1.5x.\n\n" + table + "\n"
             )
 

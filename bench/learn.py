@@ -57,19 +57,26 @@ def main():
     lines = [
         f"## learn: the main job per seed, RL against a supervised control ({datetime.date.today()})",
         "",
-        f"Command: `.venv/bin/python bench/learn.py --seeds {' '.join(map(str, args.seeds))}` (each seed is `molt-nb train recipes/arith "
-        f"loop.seed=S`, run alone). Machine: {os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch {torch.__version__}. "
-        "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, async with "
-        "max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from the same warm start for as long as "
-        "RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 evaluations. Bar: RL gain >= +0.40 and control "
+        f"Command: `.venv/bin/python bench/learn.py --seeds {' '.join(map(str, args.seeds))}` (each seed is `molt-nb "
+        "train recipes/arith "
+        f"loop.seed=S`, run alone). Machine: {os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch "
+        f"{torch.__version__}. "
+        "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, "
+        "async with "
+        "max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from the same warm "
+        "start for as long as "
+        "RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 evaluations. Bar: RL gain "
+        ">= +0.40 and control "
         "gain <= +0.10 on every seed.",
         "",
-        "| seed | warm start | after RL | control | RL gain | control gain | RL steps | rollouts/s | wall (whole command) |",
+        "| seed | warm start | after RL | control | RL gain | control gain | RL steps | rollouts/s | wall (whole "
+        "command) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['seed']} | {r['warm']:.3f} | {r['rl']:.3f} | {r['control']:.3f} | **{r['rl_gain']:+.3f}** | {r['control_gain']:+.3f} | "
+            f"| {r['seed']} | {r['warm']:.3f} | {r['rl']:.3f} | {r['control']:.3f} | **{r['rl_gain']:+.3f}** | "
+            f"{r['control_gain']:+.3f} | "
             f"{r['steps']} | {r['rollouts_per_s']:.0f} | {r['wall']:.0f} s |"
         )
     lines += ["", f"Bar met on every seed: **{'yes' if ok else 'no'}**.", ""]

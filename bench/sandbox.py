@@ -7,7 +7,7 @@ sandbox is the module as it was at commit b93c640 (read from git), loaded under 
     .venv/bin/python bench/sandbox.py [--reps 7] [--append bench/RESULTS.md]
 """
 
-import argparse, asyncio, datetime, importlib.util, os, platform, statistics, subprocess, sys, tempfile, time
+import argparse, asyncio, datetime, importlib.util, os, platform, statistics, subprocess, tempfile, time
 
 from molt_nb.tools import run_python
 
@@ -63,9 +63,11 @@ if __name__ == '__main__':
     args = ap.parse_args()
     rows = asyncio.run(main(args.reps))
     lines = [
-        f"## sandbox: per-call overhead, before issue 16 vs bubblewrap ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, euid {os.geteuid()})",
+        f"## sandbox: per-call overhead, before issue 16 vs bubblewrap ({datetime.date.today()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, euid {os.geteuid()})",
         '',
-        f"`.venv/bin/python bench/sandbox.py --reps {args.reps}`: medians of {args.reps} alternated repetitions, ms per call.",
+        f"`.venv/bin/python bench/sandbox.py --reps {args.reps}`: medians of {args.reps} alternated repetitions, ms "
+        "per call.",
         '',
         '| program | calls at once | old (audit hook + unshare --net) | bubblewrap | ratio |',
         '|---|---|---|---|---|',

@@ -1,5 +1,5 @@
-"""What the chat-server test files share: the `add` tool on both wires, the conversation the tiny model is warm-started on,
-the warm-started model itself (a fixture), and a spy on the engine."""
+"""What the chat-server test files share: the `add` tool on both wires, the conversation the tiny model is warm-started
+on, the warm-started model itself (a fixture), and a spy on the engine."""
 
 import pytest, torch
 from molt_nb.chat import render
@@ -14,12 +14,15 @@ ANTHROPIC_TOOLS = [
     dict(name='add', description='Add two integers.', input_schema=SCHEMA)
 ]  # renders exactly as OPENAI_TOOLS
 USER = dict(role='user', content='Add 1+2 and 3+4.')
-CALLS = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+CALLS = (
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+)
 ANSWER, YES = 'The sums are 3 and 7.', 'Yes.'
 GREEDY = SamplingParams(temperature=0.0, max_tokens=160, stop_token_ids=(TOK.eos_token_id,))
 
 
-def _calls_message():
+def calls_message():
     args = ['{"a": 1, "b": 2}', '{"a": 3, "b": 4}']
     return dict(
         role='assistant',
@@ -31,13 +34,13 @@ def _calls_message():
 
 
 RESULTS = [dict(role='tool', tool_call_id='c0', content='3'), dict(role='tool', tool_call_id='c1', content='7')]
-CONV3 = [USER, _calls_message(), *RESULTS, dict(role='assistant', content=ANSWER), dict(role='user', content='Sure?')]
+CONV3 = [USER, calls_message(), *RESULTS, dict(role='assistant', content=ANSWER), dict(role='user', content='Sure?')]
 
 
 @pytest.fixture(scope='module')
 def tool_model():
     "The tiny model warm-started to answer USER with two tool calls, the tool results with ANSWER, and 'Sure?' with YES"
-    convs = [[USER], [USER, _calls_message(), *RESULTS], CONV3]
+    convs = [[USER], [USER, calls_message(), *RESULTS], CONV3]
     pairs = [(render(TOK, c, True, OPENAI_TOOLS), out + '<|im_end|>') for c, out in zip(convs, [CALLS, ANSWER, YES])]
     torch.manual_seed(0)
     model = tiny_dense(TOK)

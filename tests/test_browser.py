@@ -1,5 +1,6 @@
 """The dashboard in a real browser: JupyterLab on loopback, driven by Playwright with Debian's Chromium, runs a short
-dashboard notebook against a live run; the token view shows coloured tokens and the curves update while the run steps."""
+dashboard notebook against a live run; the token view shows coloured tokens and the curves update while the run
+steps."""
 
 import json, os, re, secrets, shutil, subprocess, sys, tempfile, time, urllib.request
 from pathlib import Path
@@ -34,9 +35,11 @@ def chromium() -> str:
 
 def notebook(ray_dir: str, run_dir: str) -> dict:
     cells = [
-        "from molt_nb.config import load_config\nfrom molt_nb.controller import connect, launch\nfrom molt_nb.widgets import Dashboard",
+        "from molt_nb.config import load_config\nfrom molt_nb.controller import connect, launch\nfrom molt_nb.widgets "
+        "import Dashboard",
         f"connect(temp_dir={ray_dir!r}, num_cpus=2)\n"
-        f"cfg = load_config({str(ROOT / 'recipes' / 'parity')!r}, ['loop.steps=100000', 'loop.mode=\"async\"', 'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
+        f"cfg = load_config({str(ROOT / 'recipes' / 'parity')!r}, ['loop.steps=100000', 'loop.mode=\"async\"', "
+        f"'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
         "run = launch(cfg, name='browser')",
         "dash = Dashboard(run, refresh_s=0.5)\ndash",
     ]
@@ -105,7 +108,8 @@ def lab(tmp_path):
 
 
 def run_all(page, tmp_path, tries: int = 3):
-    "Run every cell; a Run All sent while JupyterLab is still wiring the kernel's session can be dropped, so resend until cell 1 starts"
+    """Run every cell; a Run All sent while JupyterLab is still wiring the kernel's session can be dropped, so resend
+    until cell 1 starts"""
     prompt = page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt")
     for i in range(tries):
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
@@ -171,7 +175,8 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
         stop_session([ray_dir])
     print(f"screenshots: {tmp_path / 'dashboard_mid.png'} {tmp_path / 'dashboard.png'}")
     print(
-        f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {versions}, log ratios {ratios}, colours {colours}"
+        f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {versions}, log "
+        f"ratios {ratios}, colours {colours}"
     )
     assert later_step >= first_step + 3  # the curves' header followed the run
     assert later_curve > first_curve  # and the curves were redrawn with the new steps

@@ -1,12 +1,11 @@
-"""The chat server against the real OpenAI and Anthropic SDKs (async clients, streaming and not), backed by a TorchEngine.
+"""The chat server against the real OpenAI and Anthropic SDKs (async clients, streaming and not), backed by a
+TorchEngine.
 
 Tool-call round trips need a model that emits tool calls: the tiny model is warm-started on three demonstrations
-(two parallel tool calls, then an answer, then a reply to a nudge) and decoded greedily, so every token still
-comes from the engine's own sampling. Token identity is checked two ways: `check_token_identity` (the loop's
-own check: trained ids, logprobs and versions equal what the engine returned) and a spy on the engine's
-prompts (every prompt equals the chat template's rendering of the conversation the client sent: no lost
-messages, no lost glue).
-"""
+(two parallel tool calls, then an answer, then a reply to a nudge) and decoded greedily, so every token still comes
+from the engine's own sampling. Token identity is checked two ways: `check_token_identity` (the loop's own check:
+trained ids, logprobs and versions equal what the engine returned) and a spy on the engine's prompts (every prompt
+equals the chat template's rendering of the conversation the client sent: no lost messages, no lost glue)."""
 
 import asyncio, copy, json
 import pytest, torch
@@ -23,16 +22,14 @@ from molt_nb.pool import Recorder
 from chat_helpers import (
     ANSWER,
     ANTHROPIC_TOOLS,
-    CALLS,
     GREEDY,
     OPENAI_TOOLS,
     TOK,
     USER,
     YES,
     Spy,
-    _calls_message,
-    tool_model,
-)  # noqa: F401 (tool_model: a fixture)
+    tool_model,  # noqa: F401 (a fixture)
+)
 
 
 async def _serve(model, version=0, **options):
@@ -51,7 +48,8 @@ async def _session(model, max_context: int = 2048, version: int = 0):
 
 
 def _check_identity(spy: Spy, session, convs: list, tools):
-    "Each engine prompt is the template's rendering of the client's conversation; the segments hold exactly the prompts' deltas and the samples"
+    """Each engine prompt is the template's rendering of the client's conversation; the segments hold exactly the
+    prompts' deltas and the samples"""
     assert len(spy.calls) == len(convs)
     for (prompt, gen), conv in zip(spy.calls, convs):
         assert prompt == encode(TOK, render(TOK, conv, True, tools)), (
@@ -155,7 +153,8 @@ def test_retry_returns_cached_reply_and_records_nothing(tool_model):
         engine, server, spy, s, client, _ = await _session(tool_model)
         first = await client.chat.completions.create(model='policy', messages=[USER], tools=OPENAI_TOOLS)
         before = s.segments[0]
-        # the SDK's own retry of the same request (it sends x-stainless-retry-count > 0); a first attempt would be a new sample
+        # the SDK's own retry of the same request (it sends x-stainless-retry-count > 0); a first attempt would be a new
+        # sample
         again = await client.chat.completions.create(
             model='policy', messages=[USER], tools=OPENAI_TOOLS, extra_headers={'x-stainless-retry-count': '1'}
         )

@@ -10,7 +10,8 @@ from test_controller import RAY, ROOT, free_port, session_processes, stop_sessio
 
 @pytest.fixture(scope='module')
 def head(tmp_path_factory):
-    "A token-auth Ray head on 127.0.0.1 only, free ports, its own temp dir; yields (address, token, the session's marks)"
+    """A token-auth Ray head on 127.0.0.1 only, free ports, its own temp dir; yields (address, token, the session's
+    marks)"""
     temp_dir = tempfile.mkdtemp(prefix='molt-cn-')  # short: Ray's socket paths must fit in 107 bytes
     token, gcs_port, client_port = uuid.uuid4().hex, free_port(), free_port()
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps --node-ip-address=127.0.0.1 (ray start otherwise swaps in the
@@ -65,7 +66,8 @@ def head(tmp_path_factory):
 
 
 def kernel(code: str, home: Path, **env) -> dict:
-    "Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test writes one)"
+    """Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test
+    writes one)"""
     clean = (
         {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
         | dict(HOME=str(home), PYTHONPATH=str(ROOT))
@@ -84,7 +86,8 @@ def kernel(code: str, home: Path, **env) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-# one connect attempt: the seconds connect took (to return or raise), and the answer of a trivial task on the cluster or the error
+# one connect attempt: the seconds connect took (to return or raise), and the answer of a trivial task on the cluster or
+# the error
 ATTEMPT = '''
 def attempt(*args, **kw):
     import ray
@@ -203,7 +206,8 @@ def test_version_mismatch_is_reported(head, tmp_path):
 
 
 def test_local_ray_listens_on_loopback_only(tmp_path):
-    "connect() with no address (start_ray) keeps the private Ray on loopback, and this process's own settings as they were"
+    """connect() with no address (start_ray) keeps the private Ray on loopback, and this process's own settings as they
+    were"""
     out = kernel(
         '''
     import os, tempfile, psutil, ray
@@ -215,7 +219,8 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
     for p in psutil.Process().children(recursive=True):
         try: ips |= {c.laddr.ip for c in p.net_connections('tcp') if c.status == psutil.CONN_LISTEN}
         except psutil.Error: pass
-    print(json.dumps(dict(ips=sorted(ips), variable=os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'), clusters=ray_constants.ENABLE_RAY_CLUSTER)))
+    variable = os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER')
+    print(json.dumps(dict(ips=sorted(ips), variable=variable, clusters=ray_constants.ENABLE_RAY_CLUSTER)))
     ray.shutdown()
     ''',
         tmp_path,
@@ -225,7 +230,8 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
 
 
 def test_no_server_at_the_address_says_what_to_check(tmp_path):
-    "Nothing listens on the port (a wrong port, a closed firewall, no tunnel): an error saying so, not Ray Client's 30 s timeout"
+    """Nothing listens on the port (a wrong port, a closed firewall, no tunnel): an error saying so, not Ray Client's 30
+    s timeout"""
     out = kernel(
         f'''
     import molt_nb.controller

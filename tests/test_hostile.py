@@ -397,7 +397,8 @@ class Health:
 
 
 def test_health_answers_while_10mb_bodies_are_refused(model):
-    "413 on Content-Length, 413 while streaming a chunked body, and 400 from the character count when the limit allows 10 MB"
+    """413 on Content-Length, 413 while streaming a chunked body, and 400 from the character count when the limit allows
+    10 MB"""
 
     async def main():
         engine, server, s, urls, auth = await _serve(model, max_body_bytes=16 << 20)
@@ -428,7 +429,8 @@ def test_health_answers_while_10mb_bodies_are_refused(model):
                     assert res.status_code == 200
                 await asyncio.sleep(0.1)
         print(
-            f"/health max {max(near.latencies + far.latencies) * 1000:.0f} ms over {len(near.latencies + far.latencies)} polls while 10 MB bodies were refused"
+            f"/health max {max(near.latencies + far.latencies) * 1000:.0f} ms over "
+            f"{len(near.latencies + far.latencies)} polls while 10 MB bodies were refused"
         )
         for h in (near, far):
             assert not h.failures and len(h.latencies) >= 10, (h.failures, len(h.latencies))
@@ -532,7 +534,8 @@ ROUNDS, TOKENS = 16, 32
 
 
 async def _client(http, server, s, k: int, round: int) -> str:
-    "One streaming client: evens read the whole stream; odds hang up, before the reply (k % 4 == 1) or after its first event"
+    """One streaming client: evens read the whole stream; odds hang up, before the reply (k % 4 == 1) or after its first
+    event"""
     body = dict(
         model='policy',
         stream=True,
@@ -600,7 +603,8 @@ def test_64_streaming_clients_half_hanging_up_keep_health_fast_and_leak_nothing(
         assert not health.failures, health.failures[:3]
         assert len(health.latencies) >= 20
         print(
-            f"/health p99 {health.p99() * 1000:.0f} ms, max {max(health.latencies) * 1000:.0f} ms over {len(health.latencies)} polls"
+            f"/health p99 {health.p99() * 1000:.0f} ms, max {max(health.latencies) * 1000:.0f} ms over "
+            f"{len(health.latencies)} polls"
         )
         assert health.p99() < 0.25, f"/health p99 {health.p99() * 1000:.0f} ms over {len(health.latencies)} polls"
         leaked = {t for t in asyncio.all_tasks()} - before - {asyncio.current_task()}

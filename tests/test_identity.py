@@ -38,7 +38,9 @@ def rollouts(moe=False):
     gb = [gen([10, 11], 4, 2, r(0, 4)), gen([12], 4, 3, r(1, 4))]
     b0 = Segment.prompt([1, 3]).extend(gb[0].token_ids, gb[0].logprobs, gb[0].versions, r(0, 4)[2:] if moe else None)
     b1 = Segment.prompt([1, 4, 2]).extend(gb[1].token_ids, gb[1].logprobs, gb[1].versions, r(1, 4)[3:] if moe else None)
-    if moe:  # observation tokens have routes too (-1 where the engine gave none is fine for them: only sampled tokens are compared)
+    # observation tokens have routes too (-1 where the engine gave none is fine for them: only sampled tokens are
+    # compared)
+    if moe:
         a.routes[:2], b0.routes[:2], b1.routes[:3] = ROUTES[0, :2], ROUTES[0, :2], ROUTES[1, :3]
     trs = [Trajectory('a', 'g', 0, [a], reward=1.0), Trajectory('b', 'g', 0, [b0, b1], reward=0.0)]
     return trs, {'a': ga, 'b': gb}

@@ -10,7 +10,7 @@ carry a marker in their command line and are found by pid from outside while the
 import asyncio, ctypes, json, os, socket, subprocess, sys, sysconfig, tempfile, threading, time
 from pathlib import Path
 import pytest
-from molt_nb.tools import Sandbox, SandboxUnavailable, run_python
+from molt_nb.tools import SandboxUnavailable, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = 'sekrit-' + os.urandom(6).hex()
@@ -33,7 +33,8 @@ async def main(calls):
     for code, options in calls:
         before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
         text = await run_python(code.replace('RUNNER_PID', str(os.getpid())), **options)
-        out.append(dict(text=text, seconds=time.monotonic() - start, grew_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before))
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        out.append(dict(text=text, seconds=time.monotonic() - start, grew_kb=grew))
     return out
 print(json.dumps(asyncio.run(main(json.load(sys.stdin)))))
 '''
@@ -124,7 +125,9 @@ attempt('root_token', lambda: open('/root/.ray/auth_token').read())
 attempt('environ', lambda: [k for k, v in os.environ.items() if {SECRET!r} in v] or 1 / 0)
 attempt('runner_environ', lambda: open('/proc/RUNNER_PID/environ', 'rb').read())
 attempt('runner_mem', lambda: open('/proc/RUNNER_PID/mem', 'rb').read(1))
-attempt('proc_scan', lambda: [p for p in os.listdir('/proc') if p.isdigit() and {SECRET!r}.encode() in open(f'/proc/{{p}}/environ', 'rb').read() + open(f'/proc/{{p}}/cmdline', 'rb').read()] or 1 / 0)
+def exposed(p):
+    return {SECRET!r}.encode() in open(f'/proc/{{p}}/environ', 'rb').read() + open(f'/proc/{{p}}/cmdline', 'rb').read()
+attempt('proc_scan', lambda: [p for p in os.listdir('/proc') if p.isdigit() and exposed(p)] or 1 / 0)
 attempt('write_project', lambda: open({str(target)!r}, 'a').write('pwned'))
 attempt('new_project_file', lambda: open({str(ROOT / 'pwned')!r}, 'w').write('pwned'))
 attempt('write_usr', lambda: open('/usr/pwned', 'w').write('pwned'))
@@ -139,8 +142,11 @@ attempt('fill_shm', lambda: [open(f'/dev/shm/f{{i}}', 'wb').write(b'x' * 2**19) 
 attempt('vsock', lambda: socket.socket(40, socket.SOCK_STREAM))
 import ctypes
 syscall = ctypes.CDLL(None, use_errno=True).syscall
-nr = dict(x86_64=dict(keyctl=250, add_key=248, userfaultfd=323), aarch64=dict(keyctl=219, add_key=217, userfaultfd=282))[os.uname().machine]
-for name, args in (('add_key', (b'user', b'k', b'x', 1, -4)), ('keyctl', (0, 0)), ('userfaultfd', (1,)), ('io_uring_setup', (8, 0))):
+nr = dict(x86_64=dict(keyctl=250, add_key=248, userfaultfd=323),
+          aarch64=dict(keyctl=219, add_key=217, userfaultfd=282))[os.uname().machine]
+calls = (('add_key', (b'user', b'k', b'x', 1, -4)), ('keyctl', (0, 0)), ('userfaultfd', (1,)),
+         ('io_uring_setup', (8, 0)))
+for name, args in calls:
     # FAILED only when seccomp refused it (ENOSYS): any other answer means the call reached the kernel
     attempt(name, lambda: syscall(nr.get(name, 425), *args) == -1 and ctypes.get_errno() == 38 and 1 / 0)
 attempt('scratch', lambda: open('/tmp/notes', 'w').write('scratch is writable'))
@@ -190,7 +196,8 @@ import _posixsubprocess
 attempt('pidfd', lambda: signal.pidfd_send_signal(os.pidfd_open(RUNNER_PID), signal.SIGKILL))
 attempt('kill', lambda: os.kill(RUNNER_PID, signal.SIGKILL))
 attempt('shell', lambda: subprocess.run(['/bin/sh', '-c', 'kill -9 RUNNER_PID'], check=True))
-attempt('fork_exec', lambda: _posixsubprocess.fork_exec([b'/usr/bin/kill', b'-9', b'RUNNER_PID'], [b'/usr/bin/kill'], True, (), None, None,
+attempt('fork_exec', lambda: _posixsubprocess.fork_exec(
+        [b'/usr/bin/kill', b'-9', b'RUNNER_PID'], [b'/usr/bin/kill'], True, (), None, None,
         -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, -1, None, False))
 time.sleep(0.5)
 attempt('kill_all', lambda: os.kill(-1, signal.SIGKILL))
@@ -219,7 +226,8 @@ def _marked(marker: str) -> set:
 
 
 def test_fork_tree_dies_at_the_deadline(home, who):
-    "setsid and double-forked children holding stdout open: the call returns at its deadline and every one is gone (by pid)"
+    """setsid and double-forked children holding stdout open: the call returns at its deadline and every one is gone (by
+    pid)"""
     marker = f"tree-{os.urandom(4).hex()}"
     child = f'''import os, time  # {marker}
 os.setsid()
@@ -256,8 +264,10 @@ def test_fork_bomb_is_bounded(home, who):
     "Processes are capped per sandbox: a fork bomb stops at max_processes, and the next call runs"
     if who:
         pytest.skip(
-            "the emulated ordinary user is host root outside its user namespace, and the kernel exempts root from RLIMIT_NPROC; "
-            "a real non-root runner's sandbox is capped by the same rlimit (the root runner's case, with a uid of its own, runs here)"
+            "the emulated ordinary user is host root outside its user namespace, and the kernel exempts root from "
+            "RLIMIT_NPROC; "
+            "a real non-root runner's sandbox is capped by the same rlimit (the root runner's case, with a uid of its "
+            "own, runs here)"
         )
     code = (
         UNHOOK
@@ -275,7 +285,8 @@ except OSError as e: print('forked', n, type(e).__name__, flush=True)
 
 
 def test_output_floods_cost_the_runner_nothing(home):
-    "A 100 MB print and endless writes: the answer is cut, the program stopped, the runner's peak memory grows < limit + 10 MB"
+    """A 100 MB print and endless writes: the answer is cut, the program stopped, the runner's peak memory grows < limit
+    + 10 MB"""
     calls = [
         ('print(1)', {}),
         ('import sys; sys.stdout.write("x" * 100_000_000)', dict(max_output=2000, memory_mb=512, timeout_s=20)),
@@ -302,11 +313,17 @@ def test_limits_hold():
 
 
 def test_refuses_without_isolation(home):
-    "No bwrap, or a kernel that refuses the namespaces: SandboxUnavailable says what to enable; unsafe=True is the explicit way out"
+    """No bwrap, or a kernel that refuses the namespaces: SandboxUnavailable says what to enable; unsafe=True is the
+    explicit way out"""
     with pytest.raises(SandboxUnavailable, match='apt-get install bubblewrap'):
         asyncio.run(run_python('print(1)', bwrap='no-such-bwrap'))
-    # an ordinary user's runner where user namespaces are disabled (as Docker's default seccomp profile or Ubuntu's AppArmor do)
-    code = 'from molt_nb.tools import run_python, SandboxUnavailable\nimport asyncio\ntry: asyncio.run(run_python("print(1)"))\nexcept SandboxUnavailable as e: print(e)\nprint(asyncio.run(run_python("print(2)", unsafe=True)))'
+    # an ordinary user's runner where user namespaces are disabled (as Docker's default seccomp profile or Ubuntu's
+    # AppArmor do)
+    code = (
+        'from molt_nb.tools import run_python, SandboxUnavailable\nimport asyncio\n'
+        'try: asyncio.run(run_python("print(1)"))\nexcept SandboxUnavailable as e: print(e)\n'
+        'print(asyncio.run(run_python("print(2)", unsafe=True)))'
+    )
     r = subprocess.run(
         [
             'bwrap',
@@ -335,8 +352,9 @@ def test_refuses_without_isolation(home):
 
 
 def test_binds_add_packages(tmp_path):
-    """The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the kernel
-    bounds), also from under /tmp, where the sandbox's own /tmp must not hide them (a fresh clone in /tmp failed so)"""
+    """The virtualenv's packages are not in the sandbox unless bound; bound, they import (numpy needs ctypes, which the
+    kernel bounds), also from under /tmp, where the sandbox's own /tmp must not hide them (a fresh clone in /tmp failed
+    so)"""
     (tmp_path / 'hello_bind.py').write_text('WHO = "bound"\n')
     tmp_path.chmod(0o755)  # pytest makes it 0700: the sandbox's user could not read it
     assert asyncio.run(run_python('import hello_bind; print(hello_bind.WHO)', binds=(str(tmp_path),))) == 'bound\n'

@@ -1,6 +1,6 @@
 """Two-digit addition with an exact-match reward: the prompt `07+45=` must be answered `52` and the end token.
 
-The task of ../shared/reference/rl-prototype.md: zero-padded operands so every prompt has six tokens, the plain
+The task: zero-padded operands so every prompt has six tokens, the plain
 sum, completion style (no chat template). 500 held-out prompts (fixed by seed 1234) are never trained on.
 """
 

@@ -52,7 +52,8 @@ def demos(n: int, seed: int = 0) -> list:
         out.append(
             (
                 render(tok, [user], True, [PYTHON]),
-                f'<tool_call>\n{{"name": "python", "arguments": {json.dumps(dict(code=t["code"]))}}}\n</tool_call><|im_end|>',
+                f'<tool_call>\n{{"name": "python", "arguments": '
+                f'{json.dumps(dict(code=t["code"]))}}}\n</tool_call><|im_end|>',
             )
         )
         out.append(
