@@ -17,8 +17,8 @@ from safetensors.torch import save_model, load_model
 from .core import Batch
 from .core import write_atomic
 from .config import AlgoConfig, OptimConfig
-from .estimators import advantage_input, compute_advantages, get_estimator
-from .losses import LossConfig, compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
+from .estimators import advantage_input, compute_advantages
+from .losses import compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
 from .models import moe_gates
 from .routing import RoutingConfig, RouteReplay, freeze_routers, route_agreement, logprob_gap
 from .weight_sync import named_weights, to_buckets
