@@ -41,7 +41,9 @@ async def single_process(cfg, seconds: float) -> dict:
     engine = TorchEngine(
         copy.deepcopy(model), seed=cfg.loop.seed, threads=cfg.rollout.threads, max_batch=cfg.rollout.max_batch
     )
-    actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows)
+    actor = PolicyActor(
+        model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows, temperature=cfg.rollout.temperature
+    )
     parts = recipe_parts(cfg, tok)  # the same runner, data order and sampling molt-nb uses
     runner, train, held, sp, r = parts.runner, parts.train_tasks, parts.eval_tasks, parts.sampling, cfg.rollout
     start_acc = await evaluate(runner, engine, held, sp)
