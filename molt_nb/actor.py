@@ -20,7 +20,7 @@ from .config import AlgoConfig, OptimConfig
 from .estimators import advantage_input, compute_advantages
 from .losses import compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
 from .models import moe_gates
-from .routing import RoutingConfig, RouteReplay, freeze_routers, route_agreement, logprob_gap
+from .routing import RoutingConfig, RouteReplay, freeze_routers, layer_metric, logprob_gap, route_agreement
 from .weight_sync import named_weights, to_buckets
 
 # %% ../nbs/14_actor.ipynb #801c6d04
@@ -61,8 +61,14 @@ class PolicyActor:
         ref_model=None,  # frozen reference for KL terms (required when algo uses one)
         teacher=None,  # frozen teacher (required by on_policy_distill)
         version: int = 0,  # policy version of `model`'s weights
-        routing: RoutingConfig = RoutingConfig(),
-    ):  # MoE policies: routing replay and router freezing
+        routing: RoutingConfig = RoutingConfig(),  # MoE policies: routing replay and router freezing
+        temperature: float = 1.0,  # the rollout's sampling temperature: logprobs are scored at it, as sampled
+    ):
+        if not temperature > 0:
+            raise ValueError(
+                f"PolicyActor.temperature is {temperature!r}: logprobs need the rollout's sampling temperature (> 0); "
+                "greedy rollouts cannot be trained on"
+            )
         if micro_batch_rows < 1:
             raise ValueError(f"PolicyActor.micro_batch_rows is {micro_batch_rows}: use at least 1 row per micro-batch")
         if algo.needs_reference and ref_model is None:
@@ -73,6 +79,7 @@ class PolicyActor:
         if algo.estimator == 'on_policy_distill' and teacher is None:
             raise ValueError("AlgoConfig.estimator='on_policy_distill' needs a teacher: pass teacher=<frozen model>")
         self.model, self.algo, self.optim, self.micro_batch_rows = model.train(), algo, optim, micro_batch_rows
+        self.temperature = temperature
         self.ref_model, self.teacher = [
             m.eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)
         ]
@@ -101,9 +108,7 @@ def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     else:
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    return -F.cross_entropy(
-        (logits.float() / self.algo.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none'
-    )
+    return -F.cross_entropy((logits.float() / self.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none')
 
 
 @patch
@@ -307,11 +312,8 @@ def _routing_metrics(
     )  # without replay the forward used its own choice
     for name, r in (('', a), ('natural_', b)):
         out[f"routing/{name}tokens"] = float(r['tokens'])
-        out |= {
-            f"routing/{name}{k}" if k[0] != 'L' else f"routing/{name}agreement/{k}": v
-            for k, v in r.items()
-            if k != 'tokens'
-        }
+        out |= {f"routing/{name}{k}": v for k, v in r.items() if k not in ('tokens', 'layers')}
+        out |= {layer_metric(i, f"{name}agreement"): v for i, v in r.get('layers', {}).items()}
     return out
 
 # %% ../nbs/14_actor.ipynb #e23c51dc

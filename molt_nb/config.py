@@ -19,21 +19,12 @@ from .routing import RoutingConfig
 
 # %% ../nbs/12_config.ipynb #a61a3a83
 @dataclass(frozen=True)
-class ModelConfig:
-    "The policy: a local checkpoint, or a tiny Qwen3 built in code (the embedded default)"
+class ModelConfig(TinyConfig):
+    """The policy: a local checkpoint, or a tiny Qwen3 built in code from the shape fields it shares with
+    `molt_nb.models.TinyConfig` (its `seed` is the run's: `loop.seed`)"""
 
-    path: str | None = None  # a local HF checkpoint directory; None builds the tiny model below
-    hidden_size: int = 128  # residual width of the tiny model
-    intermediate_size: int = 512  # MLP width
-    num_layers: int = 2  # decoder layers
-    num_heads: int = 4  # query heads
-    num_kv_heads: int = 4  # key/value heads
-    head_dim: int = 32  # width of one head
-    max_position: int = 64  # longest sequence
-    num_experts: int = 0  # >0 builds a Qwen3-MoE with this many experts
-    experts_per_token: int = 2  # top-k of the MoE router
-    moe_intermediate_size: int | None = None  # width of one expert's MLP (default intermediate_size // 4)
-    dense_layers: tuple = ()  # decoder-layer ids that stay dense in a MoE model
+    path: str | None = None  # a local HF checkpoint directory; None builds the tiny model from the fields above
+    max_position: int = 64  # longest sequence: a run's tiny model needs no longer (TinyConfig's own default is 4096)
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,7 @@ class RolloutConfig:
 # %% ../nbs/12_config.ipynb #db295a4f
 @dataclass(frozen=True)
 class AlgoConfig:
-    "The RL algorithm: advantage estimator, loss, KL terms and the temperature logprobs are taken at"
+    "The RL algorithm: advantage estimator, loss and KL terms (logprobs are scored at rollout.temperature)"
 
     estimator: str = 'grpo'  # a registered advantage estimator
     whiten: bool | None = None  # whiten advantages; None: the estimator's default
@@ -82,7 +73,6 @@ class AlgoConfig:
     kl_penalty: float = 0.0  # weight of a k1 KL(policy || reference) penalty in the token rewards (reinforce, gae)
     distill_coef: float = 1.0  # weight of the teacher's advantage (on_policy_distill)
     loss: LossConfig = LossConfig()  # policy loss, aggregation, KL loss term and IS correction; a dict is converted
-    temperature: float = 1.0  # the rollout's sampling temperature: logprobs are scored at it, as the engine sampled
 
     def __post_init__(self):
         if isinstance(self.loss, dict):
@@ -99,11 +89,6 @@ class AlgoConfig:
         ):
             if not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"AlgoConfig.{name} is {getattr(self, name)!r}, expected a value in [{lo}, {hi}]")
-        if not self.temperature > 0:
-            raise ValueError(
-                f"AlgoConfig.temperature is {self.temperature!r}: logprobs need the rollout's sampling temperature (> "
-                "0); greedy rollouts cannot be trained on"
-            )
 
     @property
     def needs_reference(self) -> bool:
@@ -376,11 +361,6 @@ def _check_sampling(cfg: RunConfig, r, loop_cfg):
         )
     if r.dtype not in ENGINE_DTYPES:
         raise ValueError(f"rollout.dtype is {r.dtype!r}, expected one of {ENGINE_DTYPES}")
-    if abs(cfg.algo.temperature - r.temperature) > 1e-9:
-        raise ValueError(
-            f"algo.temperature is {cfg.algo.temperature} but rollout.temperature is {r.temperature}: the trainer must "
-            "score tokens at the temperature they were sampled at"
-        )
     if not r.temperature > 0:
         raise ValueError(f"rollout.temperature is {r.temperature}: RL needs sampling (> 0)")
 
@@ -433,9 +413,6 @@ def load_config(
         _override(table, item)
     table.setdefault('recipe', str(recipe_dir.resolve()))  # absolute: Ray workers do not share our working directory
     table.setdefault('run_dir', str(Path.cwd() / 'runs' / recipe_dir.resolve().name))
-    rollout, algo = table.get('rollout'), table.setdefault('algo', {})
-    if isinstance(rollout, dict) and isinstance(algo, dict) and 'temperature' in rollout:
-        algo.setdefault('temperature', rollout['temperature'])
     return check(_build(RunConfig, table))
 
 # %% ../nbs/12_config.ipynb #9a34ed06
@@ -469,20 +446,6 @@ def build_policy(cfg: RunConfig) -> tuple:
     transformers.utils.logging.disable_progress_bar()  # a loading bar per process is noise in a run's output
     if cfg.model.path is not None:
         return load_policy(cfg.model.path)
+    # the run's seed, so the trainer, every engine and the warm start build the same weights
     tok = build_tokenizer()
-    m = cfg.model
-    tiny = TinyConfig(
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        max_position=m.max_position,
-        num_experts=m.num_experts,
-        experts_per_token=m.experts_per_token,
-        moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size // 4,
-        dense_layers=m.dense_layers,
-        seed=cfg.loop.seed,
-    )
-    return build_model(tiny, tok), tok
+    return build_model(dataclasses.replace(cfg.model, seed=cfg.loop.seed), tok), tok

@@ -55,7 +55,14 @@ class Trainer:
         torch.manual_seed(cfg.loop.seed)
         random.seed(cfg.loop.seed)
         model, _ = build_policy(cfg)
-        self.actor = PolicyActor(model.train(), cfg.algo, cfg.optim, cfg.train.micro_batch_rows, routing=cfg.routing)
+        self.actor = PolicyActor(
+            model.train(),
+            cfg.algo,
+            cfg.optim,
+            cfg.train.micro_batch_rows,
+            routing=cfg.routing,
+            temperature=cfg.rollout.temperature,  # the trainer scores tokens at the temperature they were sampled at
+        )
         self.busy_s = 0.0
 
     def train_step(self, batch: Batch, swaps: list = ()) -> StepOutput:
@@ -273,7 +280,7 @@ class Orchestrator:
         self.sync = WeightSync([self.engine], version=-1)
         self.record = {} if cfg.loop.debug else None  # rollout id -> the engine's generations (loop.debug)
         self.step = 0  # steps trained
-        self.latest, self.last_eval = {}, None  # the last metrics row; the last held-out evaluation
+        self.last_eval = None  # the last held-out evaluation
         self.pool, self.started, self.timed_out = None, None, False
         self.eval_failures = Failures()
 
@@ -286,17 +293,6 @@ class Orchestrator:
     def train_failures(self) -> Failures:
         "The pool's failed rollouts (none before it starts)"
         return self.pool.failures if self.pool is not None else Failures()
-
-    async def progress(self) -> dict:
-        "The last step's metrics, the step count, the latest held-out evaluation, the time so far and the failures"
-        return self.latest | dict(
-            step=self.step,
-            steps=self.cfg.loop.steps,
-            last_eval=self.last_eval,
-            failure_rate=self.train_failures.rate,
-            time=0.0 if self.started is None else time.perf_counter() - self.started,
-            failures=self.failure_table(),
-        )
 
     def failure_table(self) -> dict:
         "'train <kind>' and 'eval <kind>' -> count and the first traceback"
@@ -495,7 +491,6 @@ async def _last(self: Orchestrator, pool: Pool, row: dict, saved: bool, final_ev
     if final_eval and 'eval' not in row:
         row = await self._evaluate(row)
         self.store.amend(row)
-        self.latest = row
     if not saved:
         await self.save(pool.state())
     return row
@@ -608,7 +603,6 @@ async def _finish(
     if (last and not stopped) or (loop_cfg.eval_every and self.step % loop_cfg.eval_every == 0):
         row = await self._evaluate(row)
     self.store.log(row)
-    self.latest = row
     if last or checkpoint:
         await self.save(pool.state())
     elif self.step % loop_cfg.flush_every == 0:

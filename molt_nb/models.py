@@ -88,7 +88,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 # %% ../nbs/01_models.ipynb #a26ee889
-@dataclass
+@dataclass(frozen=True)
 class TinyConfig:
     "Shape and seed of a tiny Qwen3 (dense) or Qwen3-MoE model."
 

@@ -180,10 +180,10 @@ def updated_config(cfg: RunConfig, fields: dict) -> RunConfig:
     cannot change live"""
     flat = flatten_fields(fields)
     for k in flat:
-        if k == 'algo.temperature' or not any(k == f or (f.endswith('.') and k.startswith(f)) for f in LIVE_FIELDS):
+        if not any(k == f or (f.endswith('.') and k.startswith(f)) for f in LIVE_FIELDS):
             raise SwapRejected(
-                f"{k} cannot change in a running run (live fields: {', '.join(LIVE_FIELDS)}, except "
-                "algo.temperature): stop it and launch a new run with the new config"
+                f"{k} cannot change in a running run (live fields: {', '.join(LIVE_FIELDS)}): stop it and launch a "
+                "new run with the new config"
             )
     try:
         return with_fields(cfg, flat)

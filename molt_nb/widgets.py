@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
+from .routing import layer_metrics
 from .store import RunStore
 
 # %% ../nbs/23_widgets.ipynb #16b679ae
@@ -183,11 +184,8 @@ def has_routes(samples: pd.DataFrame) -> bool:
 
 # %% ../nbs/23_widgets.ipynb #d0746bd0
 def metric_layers(row: pd.Series) -> pd.Series:
-    "Per-layer agreement from a metrics row's routing/agreement/L{layer} columns, by layer"
-    cols = {
-        int(c.rsplit('L', 1)[1]): row[c] for c in row.index if c.startswith('routing/agreement/L') and pd.notna(row[c])
-    }
-    return pd.Series(cols, dtype=float).sort_index()
+    "Per-layer agreement from a metrics row's per-layer columns (`molt_nb.routing.layer_metric`), by layer"
+    return pd.Series(layer_metrics(row), dtype=float)
 
 # %% ../nbs/23_widgets.ipynb #104ea577
 def group_table(samples: pd.DataFrame, group_id: str) -> pd.DataFrame:
