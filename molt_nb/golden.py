@@ -8,13 +8,13 @@ __all__ = ['GOLDEN_VERSION', 'GOLDEN_ROLLOUTS', 'GOLDEN_CASES', 'GOLDEN_MODULES'
            'record_golden', 'check_all_golden', 'update_golden', 'golden_main']
 
 # %% ../nbs/08_golden.ipynb #d6f5bbb7
-import importlib, importlib.util, json, os, tempfile
+import importlib, importlib.util, json
 from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import Tensor
-from .core import Segment, Trajectory, Batch, collate, check_registration
+from .core import Segment, Trajectory, Batch, collate, check_registration, write_atomic
 
 # %% ../nbs/08_golden.ipynb #2fc17c95
 GOLDEN_VERSION = 5  # the trainer's policy version when the golden batch is trained on
@@ -271,10 +271,7 @@ def record_golden(name: str, outputs: dict):
     if new == stored:
         return
     golden_dir().mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=golden_dir(), suffix='.tmp')
-    with os.fdopen(fd, 'w') as f:
-        json.dump(new, f, indent=0)
-    os.replace(tmp, _file(name))
+    write_atomic(_file(name), json.dumps(new, indent=0))
 
 # %% ../nbs/08_golden.ipynb #02655941
 def _builtin_cases() -> list:
