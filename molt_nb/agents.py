@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from fastcore.basics import patch
 from .core import Segment, Trajectory, Result, SamplingParams
-from .chat import absorb, encode, render, turn_glue
+from .chat import absorb, encode, literal, render, turn_glue
 
 # %% ../nbs/05_agents.ipynb #29b9f16b
 @dataclass
