@@ -449,6 +449,12 @@ class Trajectory:
             )
         _route_shape(self.segments, f"Trajectory {self.rollout_id!r}")
 
+# %% ../nbs/00_core.ipynb #be23c59e
+@patch
+def actions(self: Trajectory, field: str = 'token_ids') -> Tensor:
+    "`field` of a segment (token_ids, logprobs, versions or routes) at the rollout's action tokens, segments in order"
+    return torch.cat([getattr(s, field)[s.action_mask] for s in self.segments])
+
 # %% ../nbs/00_core.ipynb #4f49eadc
 @dataclass
 class Result:

@@ -186,7 +186,7 @@ def _check_sampled(tr, gens: list, row: int):
     "Raise unless the trained tokens of rollout `tr` are the ids, logprobs, versions and routes the engine returned"
     for k, what in (('token_ids', 'token id'), ('logprobs', 'logprob'), ('versions', 'version')):
         sampled = torch.cat([getattr(g, k) for g in gens]) if gens else torch.zeros(0)
-        trained = torch.cat([getattr(s, k)[s.action_mask] for s in tr.segments])
+        trained = tr.actions(k)
         if (i := _first_diff(trained, sampled)) is not None:
             raise _sampled_mismatch(tr, row, i, what, trained, sampled)
     if not gens or gens[0].routes is None:
@@ -194,7 +194,7 @@ def _check_sampled(tr, gens: list, row: int):
     if any(s.routes is None for s in tr.segments):
         raise AssertionError(f"rollout {tr.rollout_id!r}: the engine returned MoE routes and a segment has none")
     sampled = torch.cat([g.routes[g.prompt_len :] for g in gens])
-    trained = torch.cat([s.routes[s.action_mask] for s in tr.segments])
+    trained = tr.actions('routes')
     if (i := _first_diff(trained, sampled)) is not None:
         raise _sampled_mismatch(tr, row, i, 'route (experts per layer)', trained, sampled)
 

@@ -142,11 +142,6 @@ def token_columns(
     return out
 
 # %% ../nbs/17_store.ipynb #3347fbcb
-def _actions(trajectories: list, field: str) -> list:
-    "Per rollout, `field` of its action tokens over its segments"
-    return [torch.cat([getattr(s, field)[s.action_mask] for s in t.segments]) for t in trajectories]
-
-
 def sample_frame(
     step: int,
     trajectories: list,  # the step's rollouts, in collate order
@@ -155,7 +150,7 @@ def sample_frame(
     train_routes=None,  # MoE: (rows, T, layers, top_k) the trainer's own expert choices, rows in collate order
 ) -> pd.DataFrame:
     "The SAMPLE_COLUMNS (and ROUTE_COLUMNS with `train_routes`) of the rollouts trained at `step`"
-    ids = [a.tolist() for a in _actions(trajectories, 'token_ids')]
+    ids = [t.actions().tolist() for t in trajectories]
     flat = token_pieces(tokenizer, [i for row in ids for i in row])
     starts = [0, *accumulate(map(len, ids))]
     tokens = tokens or {}
@@ -167,10 +162,10 @@ def sample_frame(
         reward=[t.reward for t in trajectories],
         text=tokenizer.batch_decode(ids),
         tokens=[len(a) for a in ids],
-        versions=[v.tolist() for v in _actions(trajectories, 'versions')],
+        versions=[t.actions('versions').tolist() for t in trajectories],
         token_ids=ids,
         pieces=[flat[a:b] for a, b in zip(starts, starts[1:])],
-        logp_behaviour=[v.tolist() for v in _actions(trajectories, 'logprobs')],
+        logp_behaviour=[t.actions('logprobs').tolist() for t in trajectories],
     )
     for k in (*TOKEN_COLUMNS, 'trained'):
         columns[k] = [tokens.get(t.rollout_id, {}).get(k) for t in trajectories]

@@ -144,7 +144,7 @@ def check_loss(fn, cfg=None):
 
 def action_text(t, tokenizer) -> str:
     "The text of rollout `t`'s action tokens"
-    return tokenizer.decode(torch.cat([s.token_ids[s.action_mask] for s in t.segments]).tolist())
+    return tokenizer.decode(t.actions().tolist())
 
 
 def scored(fn, t, text: str) -> float:
