@@ -25,10 +25,11 @@ class SlotCache:
         self.length = length  # columns written so far (the shared write column)
 
     @classmethod
-    def empty(cls, layers, rows, heads, dim, capacity, dtype=torch.float32):
+    def empty(cls, layers, rows, heads, dim, capacity, dtype=torch.float32, device=None):
         "A cache of `rows` rows with room for `capacity` columns."
-        new = lambda: [torch.zeros(rows, heads, capacity, dim, dtype=dtype) for _ in range(layers)]
-        return cls(new(), new(), torch.zeros(rows, capacity), torch.zeros(rows, dtype=torch.long), 0)
+        new = lambda: [torch.zeros(rows, heads, capacity, dim, dtype=dtype, device=device) for _ in range(layers)]
+        start = torch.zeros(rows, dtype=torch.long, device=device)
+        return cls(new(), new(), torch.zeros(rows, capacity, device=device), start, 0)
 
     def __len__(self):
         return self.mask.shape[0]
@@ -184,7 +185,12 @@ class Qwen3Decoder:
             fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in m.layers
         ]
         self.down = [_rehome_down(l.mlp.experts) if hasattr(l.mlp, "experts") else None for l in m.layers]
-        cos, sin = (t[0] for t in m.rotary_emb(m.embed_tokens.weight[:1], torch.arange(max_len)[None]))
+        cos, sin = (
+            t[0]
+            for t in m.rotary_emb(
+                m.embed_tokens.weight[:1], torch.arange(max_len, device=m.embed_tokens.weight.device)[None]
+            )
+        )
         half = sin.shape[-1] // 2  # identical to per-position calls: the table is elementwise in the position
         self.cos, self.sin_rot = cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)
         cfg = m.config
@@ -215,7 +221,7 @@ def _moe(self: Qwen3Decoder, i, mlp, h):
     if e.num_experts > 16:
         return e(h, experts, weights)
     gate, up = F.linear(h, e.gate_up_proj.view(-1, h.shape[1])).view(S, e.num_experts, -1).chunk(2, -1)  # (S, E, I)
-    mix = torch.zeros(S, e.num_experts, 1, dtype=h.dtype).scatter_(
+    mix = torch.zeros(S, e.num_experts, 1, dtype=h.dtype, device=h.device).scatter_(
         1, experts[..., None], weights[..., None].to(h.dtype)
     )
     act = (e.act_fn(gate) * up * mix).view(S, -1)  # (S, E*I), zero for experts a row did not pick
@@ -253,18 +259,20 @@ def cache_dims(model) -> tuple:
     )
 
 
-def prefill_inputs(prompts: list, dims: tuple, dtype=torch.float32):
-    "Left-padded `ids`, `pos` `(S, P)`, additive `mask` `(S, 1, P, P)` and an empty `SlotCache` for `prompts`."
+def prefill_inputs(prompts: list, dims: tuple, dtype=torch.float32, device=None):
+    """Left-padded `ids`, `pos` `(S, P)`, additive `mask` `(S, 1, P, P)` and an empty `SlotCache` for `prompts` (host
+    tensors), on `device` (built on the host, copied once)"""
     S, P = len(prompts), max(len(p) for p in prompts)
     ids, valid = torch.zeros(S, P, dtype=torch.long), torch.zeros(S, P, dtype=torch.bool)
     for i, p in enumerate(prompts):
         ids[i, P - len(p) :], valid[i, P - len(p) :] = p, True
     allowed = (torch.ones(P, P, dtype=torch.bool).tril() & valid[:, None, :]) | torch.eye(P, dtype=torch.bool)
     mask = torch.zeros(S, 1, P, P, dtype=dtype).masked_fill_(~allowed[:, None], -math.inf)
-    cache = SlotCache.empty(*dims[:1], S, *dims[1:], P, dtype)
-    cache.mask.masked_fill_(~valid, -math.inf)
-    cache.start = P - valid.sum(-1)
-    return ids, (valid.cumsum(-1) - 1).clamp_(min=0), mask, cache
+    cache = SlotCache.empty(*dims[:1], S, *dims[1:], P, dtype, device)
+    cache.mask.masked_fill_(~valid.to(device), -math.inf)
+    cache.start = (P - valid.sum(-1)).to(device)
+    pos = (valid.cumsum(-1) - 1).clamp_(min=0)
+    return ids.to(device), pos.to(device), mask.to(device), cache
 
 # %% ../nbs/02_decode.ipynb #50b7947c
 def _bucket(n: int) -> int:
@@ -314,6 +322,6 @@ def inverse_cdf(
     out: torch.Tensor | None = None,  # (S, V) float64 scratch for the running sum, reused across calls
 ) -> torch.Tensor:  # (S, 1) int64 ids; V where `u` rounds up past the last token
     "The token whose interval of the float64 cumulative distribution holds `u`."
-    cdf = torch.empty(logp.shape, dtype=torch.float64) if out is None else out
+    cdf = torch.empty(logp.shape, dtype=torch.float64, device=logp.device) if out is None else out
     torch.exp(logp, out=cdf).cumsum_(-1)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)

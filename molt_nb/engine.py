@@ -77,6 +77,9 @@ class _Rows:
     def take(self, idx):
         return _Rows(**{k: None if v is None else v[idx] for k, v in vars(self).items()})
 
+    def to(self, device):
+        return _Rows(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
+
     def flags(self, vocab_size) -> tuple:
         "(any row filters by top-k/top-p, any row is greedy, any row has stop ids): skip what no row needs."
         return (
@@ -194,10 +197,12 @@ class TorchEngine:
         nonce: int | None = None,  # mixed into sampling keys; default: the smallest no open engine here holds
         version: int = 0,  # policy version stamped on sampled tokens
         threads: int = 1,  # CPU threads of the engine thread's own forward (see below)
-        prefill_budget: int = 2**22,
-    ):  # most padded mask elements S*P*P per prefill (`prefill_groups`)
+        prefill_budget: int = 2**22,  # most padded mask elements S*P*P per prefill (`prefill_groups`)
+        device=None,  # where the model runs ('cpu', 'cuda', ...; default: where it is); results come back on the host
+    ):
         _check_args(model, max_batch, max_model_len, seed, nonce, threads, prefill_budget)
-        self.model = (model.to(dtype) if dtype else model).eval().requires_grad_(False)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
         self.vocab_size, self.version, self.max_batch, self.threads = (
@@ -500,7 +505,7 @@ def _forward(self: TorchEngine, ids, pos, mask, cache):
 @patch
 def _routes(self: TorchEngine, rows, cols):
     "Expert ids captured in the last forward as `(rows, cols, layers, top_k)`; -1 for dense layers."
-    out = torch.full((rows, cols, *self._route_shape), -1, dtype=torch.int16)
+    out = torch.full((rows, cols, *self._route_shape), -1, dtype=torch.int16, device=self.device)
     for i, idx in self._captured.items():
         out[:, :, i] = idx.view(rows, cols, -1)
     return out
@@ -514,7 +519,7 @@ def _new_rows(self: TorchEngine, reqs, pos):
     for i, s in enumerate(sp):
         stop[i, : len(s.stop_token_ids)] = torch.tensor(s.stop_token_ids, dtype=torch.long)
     keys = torch.tensor([r.key for r in reqs])[:, None].expand(S, M)
-    return _Rows(
+    rows = _Rows(
         uniform=counter_uniform(keys.flatten(), torch.arange(M).repeat(S)).view(S, M),
         pos=pos,
         count=torch.zeros(S, dtype=torch.long),
@@ -528,12 +533,13 @@ def _new_rows(self: TorchEngine, reqs, pos):
         versions=torch.zeros(S, M, dtype=torch.int32),
         routes=torch.full((S, M, *self._route_shape), -1, dtype=torch.int16) if self._route_shape else None,
     )
+    return rows.to(self.device)  # built on the host, one copy per admission
 
 
 @patch
 def _prefill(self: TorchEngine, seqs: list) -> tuple:
     "Prefill `seqs` as one left-padded batch: (last logits, cache, next positions, routes of each or None)."
-    ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype)
+    ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype, self.device)
     logits = self._forward(ids, pos, mask, cache)
     if not self._route_shape:
         return logits, cache, pos[:, -1] + 1, None
@@ -550,7 +556,7 @@ def _admit(self: TorchEngine, reqs) -> list:
     "Prefill `reqs` and sample a first token: [(requests, rows, cache)] of those that go on (the batch is untouched)."
     logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
     for r, row in zip(reqs, routes or []):
-        r.routes = row
+        r.routes = row.cpu()
     rows = self._new_rows(reqs, pos)
     finished, keep = self._settle(rows, reqs, *self._sample(logits, rows, reqs, rows.flags(self.vocab_size)))
     if len(keep) < len(reqs):
@@ -579,7 +585,8 @@ def _join(self: TorchEngine, reqs: list, rows: _Rows, cache: SlotCache):
 def _refill(self: TorchEngine):
     "Recompute the running rows' cache and routes under the current weights (all tokens but each row's last)."
     r, reqs, kept, cache, self._stale = self._rows, self._reqs, [], None, False
-    seqs = [torch.cat([q.prompt, r.tokens[i, : n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
+    tokens = r.tokens.cpu()
+    seqs = [torch.cat([q.prompt, tokens[i, : n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
     for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
         try:
             _, part, _, routes = self._prefill([seqs[i] for i in group])
@@ -589,11 +596,11 @@ def _refill(self: TorchEngine):
             continue
         for i, row in zip(group, routes or []):
             P = len(reqs[i].prompt)
-            reqs[i].routes, r.routes[i, : len(row) - P] = row[:P], row[P:]
+            reqs[i].routes, r.routes[i, : len(row) - P] = row[:P].cpu(), row[P:]
         cache, kept = part if cache is None else SlotCache.merge(cache, part), kept + group
     if not kept:
         return self._fail_running(None)
-    rows = r.take(torch.tensor(kept))
+    rows = r.take(torch.tensor(kept, device=self.device))
     cache.reserve(int((rows.max_new - rows.count).max()) + 1)
     self._cache, self._rows, self._reqs = cache, rows, [reqs[i] for i in kept]
     self._flags = rows.flags(self.vocab_size)
@@ -609,7 +616,7 @@ def _decode(self: TorchEngine):
     )
     r.pos += 1
     if self._route_shape:
-        r.routes[torch.arange(S), r.count - 1] = self._routes(S, 1)[:, 0]
+        r.routes[torch.arange(S, device=self.device), r.count - 1] = self._routes(S, 1)[:, 0]
     done, stopped = self._sample(logits, r, self._reqs, self._flags)
     if done.any():
         self._finish(done, stopped)
@@ -620,7 +627,7 @@ def _scratch(self: TorchEngine, S: int, V: int) -> torch.Tensor:
     "An `(S, V)` float64 view of a buffer kept across steps: it doubles as batches grow, up to `max_batch` rows."
     if self._cdf is None or len(self._cdf) < S or self._cdf.shape[1] != V:
         grown = 2 * len(self._cdf) if self._cdf is not None and self._cdf.shape[1] == V else S
-        self._cdf = torch.empty(max(S, min(grown, self.max_batch)), V, dtype=torch.float64)
+        self._cdf = torch.empty(max(S, min(grown, self.max_batch)), V, dtype=torch.float64, device=self.device)
     return self._cdf[:S]
 
 
@@ -641,19 +648,19 @@ def _sample(self: TorchEngine, logits, rows: _Rows, reqs: list, flags: tuple) ->
     c += 1
     self.stats["steps"] += 1
     self.stats["tokens"] += len(t)
-    stopped = (tok == rows.stop).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool)
+    stopped = (tok == rows.stop).any(-1) if stops else torch.zeros(len(t), dtype=torch.bool, device=t.device)
     done = stopped | (c >= rows.max_new)
     if any(q.cancelled for q in reqs):
-        done |= torch.tensor([q.cancelled for q in reqs])
+        done |= torch.tensor([q.cancelled for q in reqs], device=done.device)
     return done, stopped
 
 # %% ../nbs/03_engine.ipynb #54a978f0
 @patch
 def _results(self: TorchEngine, rows: _Rows, reqs: list, idx: list, reasons: list) -> list:
     "(request, Generation) of rows `idx` of `rows` (one gather per field, then views per row)."
-    i = torch.tensor(idx, dtype=torch.long)
-    tokens, logprobs, versions = rows.tokens[i], rows.logprobs[i], rows.versions[i]
-    routes = rows.routes[i] if self._route_shape else None
+    i = torch.tensor(idx, dtype=torch.long, device=self.device)  # one gather and one host copy per field
+    tokens, logprobs, versions = rows.tokens[i].cpu(), rows.logprobs[i].cpu(), rows.versions[i].cpu()
+    routes = rows.routes[i].cpu() if self._route_shape else None
     out = []
     for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
         req = reqs[k]
