@@ -72,6 +72,11 @@ def sync_once(arm: str, sender, receivers: list, version: int, mib: int) -> floa
     return seconds
 
 
+def spread(times: list) -> str:
+    "'median [min, max]' of sorted `times`"
+    return f"{statistics.median(times):.0f} [{times[0]:.0f}, {times[-1]:.0f}]"
+
+
 def main(reps: int, sizes: list, bucket_mb: float) -> list:
     start_ray(temp_dir=tempfile.mkdtemp(prefix='molt-bench-ray-'), num_cpus=2)
     sender, receivers = Sender.remote(bucket_mb), [Receiver.remote() for _ in range(2)]
@@ -92,9 +97,10 @@ def main(reps: int, sizes: list, bucket_mb: float) -> list:
                     if rep:
                         times[arm, n].append(seconds)
         for n in (1, 2):
-            store, bcast = (statistics.median(times[a, n]) for a in ('object_store', 'broadcast'))
-            rows.append((mib, n, store * 1e3, bcast * 1e3, bcast / store))
-            print(rows[-1], flush=True)
+            store, bcast = (sorted(1e3 * t for t in times[a, n]) for a in ('object_store', 'broadcast'))
+            ratio = statistics.median(b / s for b, s in zip(times['broadcast', n], times['object_store', n]))
+            rows.append((mib, n, store, bcast, ratio))
+            print(mib, n, statistics.median(store), statistics.median(bcast), ratio, flush=True)
     ray.shutdown()
     return rows
 
@@ -112,12 +118,13 @@ if __name__ == '__main__':
         f"{os.cpu_count()} cores, torch {torch.__version__}, ray {ray.__version__})",
         '',
         f"`.venv/bin/python bench/weight_sync.py --reps {args.reps} --bucket-mb {args.bucket_mb:g}`: one sender actor, "
-        f"receiver actors in their own processes, medians of {args.reps} alternated repetitions, ms per sync.",
+        f"receiver actors in their own processes, {args.reps} alternated repetitions: ms per sync, median [min, max]; "
+        "the ratio is the median of the repetitions' ratios.",
         '',
         '| MiB | receivers | object store (ms) | gloo broadcast (ms) | broadcast / object store |',
         '|---:|---:|---:|---:|---:|',
     ]
-    lines += [f"| {m} | {n} | {s:.0f} | {b:.0f} | {r:.2f} |" for m, n, s, b, r in rows]
+    lines += [f"| {m} | {n} | {spread(s)} | {spread(b)} | **{r:.2f}** |" for m, n, s, b, r in rows]
     text = '\n'.join(lines) + '\n'
     print(text)
     if args.append:
