@@ -1,0 +1,217 @@
+"""A 2-rank FSDP2 trainer group (gloo, CPU) against one process on the same batch and init: the same gradients,
+metrics, trainer logprobs, routes and step; the DP scaling bug is caught; checkpoints resume exactly, in a group
+or in one process. Issue 18, item 4."""
+
+import copy
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from molt_nb.actor import DataParallel, PolicyActor, join_group, leave_group
+from molt_nb.config import AlgoConfig, OptimConfig
+from molt_nb.core import collate
+from molt_nb.golden import golden_trajectories
+from molt_nb.models import build_tokenizer, tiny_dense, tiny_moe
+
+WORLD = 2
+KINDS = ('dense', 'moe')
+TIGHT = dict(rtol=1e-5, atol=1e-6)
+
+
+def golden_batch():
+    "14 rows, 9 live under GRPO + PPO: 5 on rank 0 (3 micro-batches of 2), 4 on rank 1 (2, then an empty one)"
+    return collate(golden_trajectories())
+
+
+def make_actor(kind: str, dp=None) -> PolicyActor:
+    model = (tiny_dense if kind == 'dense' else tiny_moe)(build_tokenizer())
+    # grad_clip below the step's norm (~1.8): a rank clipping by its own shard's norm would change the update
+    return PolicyActor(model, AlgoConfig(), OptimConfig(grad_clip=1.0), micro_batch_rows=2, version=5, dp=dp)
+
+
+def full_grads(actor: PolicyActor, batch) -> dict:
+    "The whole model's gradient of one step's accumulation (gathered under FSDP; a collective), then cleared"
+    adv = actor.advantages(batch)
+    actor._accumulate(batch, adv, actor.live_rows(batch, adv))
+    out = {}
+    for n, p in actor.model.named_parameters():
+        if p.grad is not None:
+            out[n] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    actor.opt.zero_grad(set_to_none=True)
+    return out
+
+
+def summary(r) -> dict:
+    return dict(
+        metrics=r.metrics,
+        logprobs=r.logprobs,
+        advantages=r.advantages,
+        is_weights=r.is_weights,
+        is_keep=r.is_keep,
+        routes=r.routes,
+        live_rows=r.live_rows,
+    )
+
+
+def named(actor: PolicyActor) -> dict | None:
+    w = actor.full_weights()
+    return None if w is None else {n: t.clone() for n, t in w}
+
+
+def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
+    "Everything one rank computes for one model kind (every call here is a collective the ranks make together)"
+    batch, out = golden_batch(), {}
+    buggy = make_actor(kind, DataParallel(dp.rank, dp.world_size, dp.mesh, global_mean=False))
+    out['bug_grads'] = full_grads(buggy, batch)
+    a = make_actor(kind, dp)
+    adv = a.advantages(batch)
+    out['micro_batches'] = a._micro_batches(batch, a.live_rows(batch, adv))
+    out['grads'] = full_grads(a, batch)
+    out['step1'] = summary(a.train_step(batch))
+    out['weights1'] = named(a)
+    out['optimizer1'] = copy.deepcopy(a._full_state()[1])  # on CPU its tensors are the live state
+    out['saved'] = a.save(root / kind, extra={'at': 1})
+    out['rng_saved'] = torch.get_rng_state()
+    out['step2'], out['weights2'] = summary(a.train_step(batch)), named(a)
+    b = make_actor(kind, dp)
+    torch.manual_seed(1234)  # moved on purpose: load must restore the saved RNG
+    out['extra'], out['state'] = b.load(root / kind), (b.step, b.version)
+    out['rng_loaded'] = torch.get_rng_state()
+    out['optimizer_loaded'] = copy.deepcopy(b._full_state()[1])
+    out['step2_resumed'], out['weights2_resumed'] = summary(b.train_step(batch)), named(b)
+    return out
+
+
+def rank_main(rank: int, port: int, root: str):
+    torch.set_num_threads(1)
+    dp = join_group(rank, WORLD, port=port, timeout_s=90)
+    try:
+        t0 = time.perf_counter()
+        out = {kind: run_kind(kind, dp, Path(root)) for kind in KINDS}
+        out['seconds'] = time.perf_counter() - t0
+        torch.save(out, Path(root) / f"rank{rank}.pt")
+    finally:
+        leave_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def group(tmp_path_factory):
+    "Run the 2-rank group once (spawned processes, killed if they outlive the deadline); each rank's outputs"
+    root = tmp_path_factory.mktemp('dp')
+    ctx = mp.spawn(rank_main, args=(free_port(), str(root)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail('the 2-rank trainer group did not finish in 240 s (a collective hung?)')
+    out = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    print(f"2-rank group, dense + MoE: {out[0]['seconds']:.1f} s inside the ranks")
+    return out
+
+
+@pytest.fixture(scope='module')
+def single():
+    "The same steps in one process: gradients, step 1, step 2"
+    torch.manual_seed(0)
+    out = {}
+    for kind in KINDS:
+        batch, a = golden_batch(), make_actor(kind)
+        grads = full_grads(a, batch)
+        out[kind] = dict(grads=grads, step1=summary(a.train_step(batch)), weights1=named(a))
+        out[kind] |= dict(step2=summary(a.train_step(batch)), weights2=named(a))
+    return out
+
+
+def assert_same_step(dp: dict, one: dict, **tol):
+    "One optimizer step's report equal in a group and in one process: every metric, tensor and route"
+    test_keys = sorted(one['metrics'])
+    assert sorted(dp['metrics']) == test_keys
+    assert_close([dp['metrics'][k] for k in test_keys], [one['metrics'][k] for k in test_keys], **tol)
+    for k in ('advantages', 'is_weights', 'is_keep'):
+        assert_close(dp[k], one[k], **tol)
+    # past a row's end a logprob or route depends on its micro-batch's width (padding), which the layouts differ in
+    batch = golden_batch()
+    assert_close(dp['logprobs'] * batch.action_mask, one['logprobs'] * batch.action_mask, **tol)
+    if one['routes'] is not None:
+        valid = batch.attention_mask[:, :, None, None]
+        assert_close(dp['routes'].where(valid, -1), one['routes'].where(valid, -1), rtol=0, atol=0)
+    else:
+        assert dp['routes'] is None
+    assert dp['live_rows'] == one['live_rows']
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_micro_batches_are_uneven_yet_equal_in_count(group, kind):
+    zero, one = group[0][kind]['micro_batches'], group[1][kind]['micro_batches']
+    assert (zero, one) == ([[0, 2], [4, 6], [8]], [[1, 3], [5, 7], []])  # rank 1's last is the zero-weight one
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_gradients_equal_one_process(group, single, kind):
+    for rank in range(WORLD):
+        grads, ref = group[rank][kind]['grads'], single[kind]['grads']
+        assert sorted(grads) == sorted(ref)
+        assert_close(grads, ref, **TIGHT)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_missing_dp_scaling_is_caught(group, single, kind):
+    "FSDP's own average (1/world on top of the global token mean) halves every gradient: the comparison fails"
+    bug, ref = group[0][kind]['bug_grads'], single[kind]['grads']
+    with pytest.raises(AssertionError):
+        assert_close(bug, ref, **TIGHT)
+    assert_close(bug, {n: g / WORLD for n, g in ref.items()}, **TIGHT)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_step_equals_one_process(group, single, kind):
+    "Metrics (grad_norm: the global norm), trainer logprobs, IS weights and routes; the updated weights"
+    for rank in range(WORLD):
+        assert_same_step(group[rank][kind]['step1'], single[kind]['step1'], **TIGHT)
+        assert_same_step(group[rank][kind]['step2'], single[kind]['step2'], **TIGHT)
+    assert group[1][kind]['weights1'] is None  # full weights are gathered on rank 0 only
+    assert list(group[0][kind]['weights1']) == list(single[kind]['weights1'])  # the names the engines load
+    assert_close(group[0][kind]['weights1'], single[kind]['weights1'], **TIGHT)
+    assert_close(group[0][kind]['weights2'], single[kind]['weights2'], **TIGHT)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_group_checkpoint_resumes_exactly_in_a_group(group, kind):
+    for rank in range(WORLD):
+        r = group[rank][kind]
+        assert (r['extra'], r['state']) == ({'at': 1}, (1, 6))
+        assert r['saved'] == group[0][kind]['saved']
+        assert torch.equal(r['rng_loaded'], r['rng_saved'])
+        assert_close(r['step2_resumed'], r['step2'], rtol=0, atol=0)
+    r = group[0][kind]
+    assert_close(r['optimizer_loaded'], r['optimizer1'], rtol=0, atol=0)
+    assert_close(r['weights2_resumed'], r['weights2'], rtol=0, atol=0)
+    assert sorted(p.name for p in Path(r['saved']).iterdir()) == [
+        'config.json',
+        'model.safetensors',
+        'state.json',
+        'trainer.pt',
+    ]
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_group_checkpoint_loads_into_one_process(group, single, kind):
+    r, a = group[0][kind], make_actor(kind)
+    assert a.load(r['saved']) == {'at': 1} and (a.step, a.version) == (1, 6)
+    assert_close(named(a), r['weights1'], rtol=0, atol=0)
+    assert_close(a.opt.state_dict(), r['optimizer1'], rtol=0, atol=0)
+    assert_same_step(summary(a.train_step(golden_batch())), r['step2'], **TIGHT)
+    assert_close(named(a), r['weights2'], **TIGHT)
