@@ -20,7 +20,6 @@ from molt_nb.config import load_config, build_policy
 from molt_nb.core import collate
 from molt_nb.engine import TorchEngine
 from molt_nb.actor import PolicyActor
-from molt_nb.weight_sync import from_buckets
 from molt_nb.controller import launch
 from molt_nb.loop import evaluate
 from molt_nb.recipe import recipe_parts
@@ -58,7 +57,7 @@ async def single_process(cfg, seconds: float) -> dict:
         )
         pos, rollouts, step = pos + r.groups_per_step, rollouts + len(trajs), step + 1
         actor.train_step(collate(trajs))
-        await engine.load_weights(from_buckets(actor.weights()), actor.version)
+        await engine.load_weights(actor.full_weights(), actor.version)
     wall = time.perf_counter() - t0
     idle = 1 - (engine.stats['busy_s'] - busy0) / wall
     accs = [await evaluate(runner, engine, held, sp)]

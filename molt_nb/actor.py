@@ -29,7 +29,7 @@ from .estimators import advantage_input, compute_advantages
 from .losses import compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
 from .models import moe_gates
 from .routing import RoutingConfig, RouteReplay, freeze_routers, layer_metric, logprob_gap, route_agreement
-from .weight_sync import named_weights, to_buckets
+from .weight_sync import named_weights
 
 # %% ../nbs/14_actor.ipynb #801c6d04
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -441,13 +441,6 @@ def full_weights(self: PolicyActor) -> list | None:
             (n, p.full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in self.model.named_parameters()
         ]
     return named if self.dp.rank == 0 else None
-
-
-@patch
-def weights(self: PolicyActor, bucket_mb: float = 64) -> list | None:
-    "The policy's parameters as `Bucket`s, for a weight sync (a collective in a trainer group: None off rank 0)"
-    named = self.full_weights()
-    return None if named is None else to_buckets(named, bucket_mb)
 
 # %% ../nbs/14_actor.ipynb #90266b68
 def latest_checkpoint(root) -> Path | None:

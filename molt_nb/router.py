@@ -266,6 +266,8 @@ async def sync_weights(self: Router, trainer, kind: str, version: int) -> SyncRe
     *args)` calls the trainer (`send_weights`, and for 'broadcast' `weight_manifest`, `transport_address`,
     `join_transport`)"""
     start = time.perf_counter()
+    if version <= self.version:
+        raise ValueError(f"weight sync to version {version}, but the engines are at {self.version}: versions only grow")
     if kind == 'broadcast':
         await self.join(trainer)
         manifest = await trainer('weight_manifest', version)
