@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CLUSTER_LAYOUTS', 'TRANSPORTS', 'DEVICES', 'LOOP_MODES', 'ENGINE_DTYPES', 'ModelConfig', 'WarmStartConfig',
            'RolloutConfig', 'AlgoConfig', 'OptimConfig', 'TrainConfig', 'LoopConfig', 'ClusterConfig', 'RunConfig',
-           'check', 'load_config', 'flatten_fields', 'with_fields', 'build_policy']
+           'check', 'load_config', 'flatten_fields', 'with_fields', 'build_policy', 'policy_tokenizer']
 
 # %% ../nbs/12_config.ipynb #1105c60e
 import dataclasses, difflib, math, tomllib, types
@@ -503,3 +503,13 @@ def build_policy(cfg: RunConfig) -> tuple:
     # the run's seed, so the trainer, every engine and the warm start build the same weights
     tok = build_tokenizer()
     return build_model(dataclasses.replace(cfg.model, seed=cfg.loop.seed), tok), tok
+
+# %% ../nbs/12_config.ipynb #f470c6e8
+def policy_tokenizer(cfg: RunConfig) -> tuple:
+    "(tokenizer, vocab size) of the run's policy, without building it: the orchestrator needs no weights"
+    if cfg.model.path is None:
+        return build_tokenizer(), cfg.model.vocab_size
+    path = dict(pretrained_model_name_or_path=cfg.model.path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(**path), transformers.AutoConfig.from_pretrained(
+        **path
+    ).vocab_size

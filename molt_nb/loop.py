@@ -17,7 +17,7 @@ from .actor import BackwardError, PolicyActor, join_group, latest_checkpoint
 from .weight_sync import Manifest, WeightSender, free_port, join_transport_group, manifest_of
 from .router import EngineActor, Router
 from .pool import Failures, Pool, RunStopped, reason_of, traceback_of, within
-from .config import RunConfig, build_policy
+from .config import RunConfig, build_policy, policy_tokenizer
 from .recipe import recipe_parts
 from .store import RunStore, sample_frame, token_columns
 from .swaps import SwapFailed, in_use, install, with_algo
@@ -384,12 +384,12 @@ class Orchestrator:
         self.boundary = boundary or StepBoundary()
         self.boundary.bind(self)
         torch.manual_seed(cfg.loop.seed)
-        model, self.tokenizer = build_policy(cfg)
+        self.tokenizer, vocab_size = policy_tokenizer(cfg)
         # the engines, behind a router: `make_engine`'s actors, or engines in this process (each its own thread)
         n, c = cfg.cluster.engines, cfg.cluster
         make = make_engine or (lambda slot, incarnation: EngineActor(cfg, None if n == 1 else slot + n * incarnation))
         backend = 'nccl' if c.device == 'cuda' else 'gloo'
-        self.engine = Router(make, n, model.config.vocab_size, version=-1, backend=backend)
+        self.engine = Router(make, n, vocab_size, version=-1, backend=backend)
         local = isinstance(trainer, Trainer) and make_engine is None
         self.transport = 'inprocess' if local else c.weight_transport  # how weights reach the engines
         parts = recipe_parts(cfg, self.tokenizer)
