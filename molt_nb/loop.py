@@ -521,13 +521,16 @@ def _train(self: Orchestrator, work: Collected) -> asyncio.Task:
 
 @patch
 async def _sync(self: Orchestrator, out: StepOutput):
-    "Load the trainer's new weights into the engines (an engine that died is replaced first); the sync report"
+    """Bring the trainer's new weights to the engines while they decode (an engine that died is replaced first), then
+    pause them (async: draining what is in flight) to load; the sync report"""
+    await self.engine.revive()
+    report = await self.engine.fetch(self.call, self.transport, out.version)
     await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
     try:
-        await self.engine.revive()
-        return await self.engine.sync_weights(self.call, self.transport, out.version)
+        await self.engine.apply(out.version)
     finally:
         await self.engine.resume()
+    return report
 
 # %% ../nbs/19_loop.ipynb #e107e084
 @patch

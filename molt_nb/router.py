@@ -40,7 +40,7 @@ class EngineActor:
         nonce: int | None = None,  # mixed into sampling keys: each engine of a run, and each restart, has its own
     ):
         torch.set_num_threads(cfg.rollout.threads)
-        self.engine, self.group = engine_of(cfg, nonce), None
+        self.engine, self.group, self.staged = engine_of(cfg, nonce), None, None
         self.names = [n for n, _ in self.engine.model.named_parameters()]
 
     async def generate(self, token_ids, sampling: SamplingParams, session_id: str | None = None) -> Generation:
@@ -60,10 +60,18 @@ class EngineActor:
         self.group = await asyncio.to_thread(join_transport_group, host, port, rank, world_size, backend)
 
     async def receive(self, manifest, kind: str):
-        "Receive the weights `manifest` describes over transport `kind` and load them; coverage is checked here"
+        """Receive the weights `manifest` describes over transport `kind` (coverage is checked here) and stage them:
+        the engine goes on decoding with its own until `load_staged`"""
         receiver = WeightReceiver(kind, self.group, device=self.engine.device)
-        items = await asyncio.to_thread(receiver.receive, manifest, self.names)
-        await self.engine.load_weights(items, manifest.version)
+        self.staged = manifest.version, await asyncio.to_thread(receiver.receive, manifest, self.names)
+
+    async def load_staged(self, version: int):
+        "Load the staged weights of `version`; later tokens carry it"
+        if self.staged is None or self.staged[0] != version:
+            have = None if self.staged is None else self.staged[0]
+            raise RuntimeError(f"engine: no staged weights of version {version} to load (staged: {have})")
+        (_, items), self.staged = self.staged, None
+        await self.engine.load_weights(items, version)
 
     def stats(self) -> dict:
         return dict(self.engine.stats, version=self.engine.version)
@@ -116,7 +124,8 @@ class Router:
             raise ValueError(f"Router: engines is {engines}, expected at least 1")
         self.make_engine, self.vocab_size, self.version = make_engine, vocab_size, version
         self.engines = [make_engine(i, 0) for i in range(engines)]
-        self.incarnation, self.alive, self.load = [0] * engines, [True] * engines, [0] * engines
+        self.incarnation, self.alive, self.inflight = [0] * engines, [True] * engines, [0] * engines
+        self.ready = [True] * engines  # a replaced engine takes requests once it has loaded the run's weights
         self.sessions, self.max_sessions = collections.OrderedDict(), sessions
         self.counters = collections.Counter(deaths=0, failed_requests=0, restarts=0)
         self.busy = [0.0] * engines  # each slot's busy seconds, summed over its incarnations (`refresh`)
@@ -128,20 +137,20 @@ class Router:
         self.backend = backend
 
     def __repr__(self):
-        return f"Router(engines={len(self.engines)}, alive={sum(self.alive)}, load={self.load})"
+        return f"Router(engines={len(self.engines)}, alive={sum(self.alive)}, inflight={self.inflight})"
 
 # %% ../nbs/15b_router.ipynb #373e509d
 @patch
 def pick(self: Router, session_id: str | None = None) -> int:
     "The slot a request goes to: its session's engine while that lives, else the least-loaded live one"
     i = self.sessions.get(session_id) if session_id is not None else None
-    if i is not None and self.alive[i]:
+    if i is not None and self.alive[i] and self.ready[i]:
         self.sessions.move_to_end(session_id)
         return i
-    live = [j for j, a in enumerate(self.alive) if a]
+    live = [j for j, (a, r) in enumerate(zip(self.alive, self.ready)) if a and r]
     if not live:
         raise EngineDied(f"all {len(self.engines)} engines died: they come back at the next weight sync")
-    i = min(live, key=lambda j: self.load[j])
+    i = min(live, key=lambda j: self.inflight[j])
     if session_id is not None:
         self.sessions[session_id] = i
         if len(self.sessions) > self.max_sessions:
@@ -155,7 +164,7 @@ async def generate(
 ) -> Generation:
     "Sample on one engine; `EngineDied` if it dies meanwhile (the pool then runs the rollout again elsewhere)"
     i = self.pick(session_id)
-    self.load[i] += 1
+    self.inflight[i] += 1
     self.routed[i] += 1
     try:
         return await call(self.engines[i], 'generate', token_ids, sampling or SamplingParams(), session_id)
@@ -166,7 +175,7 @@ async def generate(
         self._dead(i)
         raise EngineDied(f"engine {i} died while serving this request ({type(e).__name__})") from None
     finally:
-        self.load[i] -= 1
+        self.inflight[i] -= 1
 
 
 @patch
@@ -219,7 +228,7 @@ async def revive(self: Router) -> list:
     for i in dead:
         self.incarnation[i] += 1
         self.engines[i], self._seen[i] = self.make_engine(i, self.incarnation[i]), 0.0
-        self.alive[i] = True
+        self.alive[i], self.ready[i] = True, False
         self.counters['restarts'] += 1
         self.sessions = collections.OrderedDict((s, j) for s, j in self.sessions.items() if j != i)
     return dead
@@ -261,10 +270,10 @@ def close(self: Router):
 
 # %% ../nbs/15b_router.ipynb #104ba6da
 @patch
-async def sync_weights(self: Router, trainer, kind: str, version: int) -> SyncReport:
-    """Move the trainer's weights of `version` into every live engine over transport `kind`; `await trainer(name,
-    *args)` calls the trainer (`send_weights`, and for 'broadcast' `weight_manifest`, `transport_address`,
-    `join_transport`)"""
+async def fetch(self: Router, trainer, kind: str, version: int) -> SyncReport:
+    """Bring the trainer's weights of `version` to every live engine over transport `kind`, staged beside the weights
+    they decode with (they go on decoding); `apply` puts them in use. `await trainer(name, *args)` calls the trainer
+    (`send_weights`, and for 'broadcast' `weight_manifest`, `transport_address`, `join_transport`)"""
     start = time.perf_counter()
     if version <= self.version:
         raise ValueError(f"weight sync to version {version}, but the engines are at {self.version}: versions only grow")
@@ -275,8 +284,22 @@ async def sync_weights(self: Router, trainer, kind: str, version: int) -> SyncRe
     else:
         manifest = await trainer('send_weights', kind, version)
         await self.each('receive', manifest, kind)
-    self.version = manifest.version
     return SyncReport(manifest.version, len(manifest.names), manifest.nbytes, time.perf_counter() - start)
+
+
+@patch
+async def apply(self: Router, version: int):
+    "Put the staged weights of `version` in use in every live engine (pause them first to load between requests)"
+    await self.each('load_staged', version)
+    self.version, self.ready = version, [True] * len(self.engines)
+
+
+@patch
+async def sync_weights(self: Router, trainer, kind: str, version: int) -> SyncReport:
+    "`fetch` then `apply`, the engines decoding all along: the sync at the start of a run"
+    report = await self.fetch(trainer, kind, version)
+    await self.apply(version)
+    return report
 
 
 @patch
