@@ -214,7 +214,7 @@ def plan(
     cpus: float = 1,  # CPUs each trainer rank and engine reserves (ignored on 'cpu')
 ) -> Plan:
     "Where each trainer rank and engine runs; raise a PlacementError if it cannot fit"
-    check_request(two, layout, engines, trainer_ranks, engine_gpus, device)
+    check_request(shape, layout, engines, trainer_ranks, engine_gpus, device)
     if device == 'cpu':
         slots = [Slot('trainer', r, 0) for r in range(trainer_ranks)] + [Slot('engine', e, 0) for e in range(engines)]
     elif layout == 'split':
