@@ -52,23 +52,31 @@ def main():
     for name, overrides in ARMS.items():
         rows.append(arm(name, overrides, args.seed))
         print(rows[-1], flush=True)
-    df = pd.DataFrame(rows)
-    table = df.to_markdown(index=False, floatfmt='.3f')
     lines = [
         f"## cluster: the main job with engine actors and a trainer group ({datetime.date.today()})",
         "",
         f"Command: `.venv/bin/python bench/cluster.py --seed {args.seed}` (each arm is `molt-nb train recipes/arith "
         "--no-control loop.debug=true` plus its overrides). Machine: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}.",
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU, torch {torch.__version__}. RL: GRPO, 16 prompts "
+        "x 8 samples per step, async, 160 s; accuracy: greedy exact match on the 500 held-out sums, mean of the last 3 "
+        "evaluations.",
         "",
-        table,
+        "| arm | warm start | after RL | RL gain | RL steps | rollouts/s | sync (median) | identity every step | "
+        "versions exact | wall |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        *[
+            f"| {r['arm']} | {r['warm']:.3f} | {r['rl']:.3f} | **{r['rl_gain']:+.3f}** | {r['steps']} | "
+            f"{r['rollouts_per_s']:.0f} | {r['time_sync_ms']:.0f} ms | {r['identity_every_step']} | "
+            f"{r['versions_exact']} | {r['wall']:.0f} s |"
+            for r in rows
+        ],
         "",
     ]
     print('\n'.join(lines))
     if args.append:
         with open(args.append, 'a') as f:
             f.write('\n'.join(lines) + '\n')
-    if not all(df.identity_every_step & df.versions_exact):
+    if not all(r['identity_every_step'] and r['versions_exact'] for r in rows):
         sys.exit('token identity or exact versions failed in an arm')
 
 
