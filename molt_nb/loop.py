@@ -76,6 +76,7 @@ class Trainer:
             cfg.train.micro_batch_rows,
             routing=cfg.routing,
             temperature=cfg.rollout.temperature,  # the trainer scores tokens at the temperature they were sampled at
+            device=cfg.cluster.device,  # on a GPU actor, the GPU Ray gave it (the only one it sees)
             dp=dp,
         )
 
@@ -153,6 +154,8 @@ def node_address() -> str:
 def join_group(self: Trainer, host: str, port: int):
     "Join the trainer group (rank 0 hosts it at `host:port`) and build this rank's FSDP2-sharded policy"
     backend = 'nccl' if self.cfg.cluster.device == 'cuda' else 'gloo'
+    if backend == 'nccl':
+        torch.cuda.set_device(0)  # NCCL needs this process's device first: the one Ray made visible to it
     self.actor = self._policy_actor(join_group(self.rank, self.world_size, host, port, backend))
     self.snapshot()
 
