@@ -194,6 +194,16 @@ class ClusterConfig:
                 f"cluster.layout is {self.layout!r} with cluster.device='cpu': split and colocated place GPUs; use "
                 "layout 'single' on CPUs or device 'cuda'"
             )
+        if self.engine_gpus > 1:
+            raise ValueError(
+                f"cluster.engine_gpus is {self.engine_gpus}: the engine here has no tensor parallelism, so it would "
+                "reserve GPUs it never uses; use 1 (tensor-parallel engines come with the vLLM backend)"
+            )
+        if self.layout == 'colocated' and self.weight_transport == 'broadcast':
+            raise ValueError(
+                "cluster.layout='colocated' with transport 'broadcast' (what 'auto' picks for engine actors) puts the "
+                "sender and an engine on one GPU, which NCCL refuses: set cluster.transport='object_store'"
+            )
 
     @property
     def engine_actors(self) -> bool:

@@ -441,7 +441,7 @@ def runs() -> pd.DataFrame:
     names = sorted(
         a['name']
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a['namespace'] == NAMESPACE and not a['name'].endswith('/trainer')
+        if a['namespace'] == NAMESPACE and '/' not in a['name']  # a run's trainer, ranks and engines are `run/...`
     )
     rows = []
     for n in names:

@@ -7,7 +7,7 @@ __all__ = ['EVAL_GRACE_S', 'Collected', 'StepOutput', 'Trainer', 'node_address',
            'StepBoundary', 'Orchestrator', 'evaluate']
 
 # %% ../nbs/21_loop.ipynb #67a8a6d7
-import asyncio, random, time
+import asyncio, random, threading, time
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
@@ -62,6 +62,7 @@ class Trainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.busy_s, self.transport, self.actor = 0.0, None, None
         self.snapshots = {}  # version -> the full weights (rank 0), kept for the weight sync of that version
+        self.snapshots_lock = threading.Lock()  # a sync reads them while the next step adds one (two threads)
         if world_size == 1:
             self.actor = self._policy_actor()
             self.snapshot()
@@ -182,17 +183,20 @@ def snapshot(self: Trainer):
     items = self.actor.full_weights()
     if self.rank == 0:
         owned = self.world_size > 1  # gathered tensors are already copies
-        self.snapshots[self.actor.version] = [(n, t if owned else t.clone()) for n, t in items]
+        items = [(n, t if owned else t.clone()) for n, t in items]
+        with self.snapshots_lock:
+            self.snapshots[self.actor.version] = items
 
 
 @patch
 def _snapshot(self: Trainer, version: int) -> list:
     "The weights of `version`; older snapshots are dropped (versions only grow)"
-    if version not in self.snapshots:
-        raise KeyError(f"no weights of version {version} to send: the trainer keeps {sorted(self.snapshots)}")
-    for v in [v for v in self.snapshots if v < version]:
-        del self.snapshots[v]
-    return self.snapshots[version]
+    with self.snapshots_lock:
+        if version not in self.snapshots:
+            raise KeyError(f"no weights of version {version} to send: the trainer keeps {sorted(self.snapshots)}")
+        for v in [v for v in self.snapshots if v < version]:
+            del self.snapshots[v]
+        return self.snapshots[version]
 
 
 @patch
