@@ -565,6 +565,7 @@ def _metrics(
         time_collect=work.wait,
         time_train=out.seconds,
         time_sync=sync_s,
+        time_fetch=report.seconds,  # of time_sync, moving the weights (the engines decode meanwhile); the rest pauses
         sync_mb=report.nbytes / 2**20,
         rollouts=float(len(trajectories)),
         samples_per_s=len(trajectories) / wall,
