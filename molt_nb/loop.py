@@ -407,6 +407,7 @@ class Orchestrator:
         self.step = 0  # steps trained
         self.last_eval = None  # the last held-out evaluation
         self.pool, self.started, self.timed_out = None, None, False
+        self.fetching = None  # the weights of the step just trained, on their way to the engines (see `_train`)
         self.eval_failures = Failures()
 
     async def call(self, name: str, *args):
@@ -518,20 +519,30 @@ async def _next(self: Orchestrator, pool: Pool, version: int) -> tuple:
 
 @patch
 def _train(self: Orchestrator, work: Collected) -> asyncio.Task:
-    "Hand `work` to the boundary as the next step; a task resolving to the trainer's `StepOutput`"
+    """Hand `work` to the boundary as the next step; a task resolving to the trainer's `StepOutput`. As soon as the step
+    has trained, its weights start on their way to the engines (`fetching`), while the loop collects the next batch"""
 
     def train_step(batch, swaps):
         return self.call('train_step', batch, swaps)
 
-    return asyncio.ensure_future(self.boundary.train(self.step + 1, work, train_step))
+    async def step() -> StepOutput:
+        out = await self.boundary.train(self.step + 1, work, train_step)
+        if out.version > self.engine.version:  # a step that trained (not one a failed swap skipped)
+            self.fetching = asyncio.ensure_future(self.engine.fetch(self.call, self.transport, out.version))
+        return out
+
+    return asyncio.ensure_future(step())
 
 
 @patch
 async def _sync(self: Orchestrator, out: StepOutput):
     """Bring the trainer's new weights to the engines while they decode (an engine that died is replaced first), then
     pause them (async: draining what is in flight) to load; the sync report"""
+    fetching, self.fetching = self.fetching, None
     await self.engine.revive()
-    report = await self.engine.fetch(self.call, self.transport, out.version)
+    report = await fetching if fetching is not None else None
+    if report is None or self.engine.missing(out.version):  # an engine replaced since needs the weights too
+        report = await self.engine.fetch(self.call, self.transport, out.version)
     await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
     try:
         await self.engine.apply(out.version)
