@@ -186,16 +186,17 @@ def snapshot(self: Trainer):
         items = [(n, t if owned else t.clone()) for n, t in items]
         with self.snapshots_lock:
             self.snapshots[self.actor.version] = items
+            # the loop may still ask for the two before (a sync re-sent to an engine replaced meanwhile)
+            for v in [v for v in self.snapshots if v < self.actor.version - 2]:
+                del self.snapshots[v]
 
 
 @patch
 def _snapshot(self: Trainer, version: int) -> list:
-    "The weights of `version`; older snapshots are dropped (versions only grow)"
+    "The weights of `version`"
     with self.snapshots_lock:
         if version not in self.snapshots:
             raise KeyError(f"no weights of version {version} to send: the trainer keeps {sorted(self.snapshots)}")
-        for v in [v for v in self.snapshots if v < version]:
-            del self.snapshots[v]
         return self.snapshots[version]
 
 
