@@ -556,13 +556,16 @@ async def _sync(self: Orchestrator, out: StepOutput):
     pause them (async: draining what is in flight) to load; the sync report"""
     fetching, self.fetching = self.fetching, None
     await self.engine.revive()
-    report = await fetching if fetching is not None else None
-    if report is None or self.engine.missing(out.version):  # an engine replaced since needs the weights too
-        report = await self.engine.fetch(self.call, self.transport, out.version)
-    await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
+    # the pause (async: the running requests finish, no new one starts) overlaps what is left of the transfer
+    pausing = asyncio.ensure_future(self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async'))
     try:
+        report = await fetching if fetching is not None else None
+        if report is None or self.engine.missing(out.version):  # an engine replaced since needs the weights too
+            report = await self.engine.fetch(self.call, self.transport, out.version)
+        await pausing
         await self.engine.apply(out.version)
     finally:
+        await asyncio.gather(pausing, return_exceptions=True)  # a resume must come after the pause it ends
         await self.engine.resume()
     return report
 
