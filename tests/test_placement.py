@@ -4,7 +4,8 @@ plans checked from inside real actors, 17 GPUs refused at once, every GPU free a
 
 import json, os, subprocess, sys, tempfile, time, uuid
 from pathlib import Path
-import psutil, pytest
+import pytest
+from test_controller import stop_session
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = 16
@@ -161,26 +162,6 @@ def drive(temp_dir: str) -> dict:
         cluster.shutdown()
 
 
-def leftovers(mark: str) -> list:
-    "Processes whose command line names `mark` (the cluster's temp dir)"
-    found = []
-    for p in psutil.process_iter(['cmdline']):
-        try:
-            if any(mark in a for a in p.info['cmdline'] or []):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
-def kill(procs: list):
-    for x in procs:
-        try:
-            x.kill()
-        except psutil.Error:
-            pass
-
-
 @pytest.fixture(scope='module')
 def seen():
     """What the driver saw on the simulated cluster. Its processes stop with the driver (its own shutdown; Ray's
@@ -204,11 +185,11 @@ def seen():
             )
             if p.returncode == 0 or 'timed out during startup' not in p.stderr:
                 break
-            kill(leftovers(tmp))
+            stop_session([tmp])
         assert p.returncode == 0, p.stderr[-4000:]
         yield json.loads(p.stdout.strip().splitlines()[-1])
     finally:
-        kill(leftovers(tmp))
+        stop_session([tmp])
 
 
 def test_split_packs_ranks_in_order_and_engines_on_the_other_node(seen):
