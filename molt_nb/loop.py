@@ -412,7 +412,8 @@ class Orchestrator:
         n, c = cfg.cluster.engines, cfg.cluster
         make = make_engine or (lambda slot, incarnation: EngineActor(cfg, None if n == 1 else slot + n * incarnation))
         backend = 'nccl' if c.device == 'cuda' else 'gloo'
-        self.engine = Router(make, n, vocab_size, version=-1, backend=backend)
+        workers = c.engine_gpus if cfg.rollout.engine == 'vllm' else 1  # a vLLM engine's tensor-parallel ranks
+        self.engine = Router(make, n, vocab_size, version=-1, backend=backend, workers=workers)
         local = isinstance(trainer, Trainer) and make_engine is None
         self.transport = 'inprocess' if local else c.weight_transport  # how weights reach the engines
         parts = recipe_parts(cfg, self.tokenizer)

@@ -1,0 +1,159 @@
+"""The Engine contract over every engine CI can run: `TorchEngine`, and `VLLMEngine` on the stand-in for vLLM.
+
+Also: every `vllm.SamplingParams` field is sent, the vLLM refusals say what to do, and no module imports vLLM or
+NeMo AutoModel unless asked to (real vLLM runs the same contract in `make test-vllm`).
+"""
+
+import asyncio, importlib, json, pkgutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+import engine_contract as contract
+import fake_vllm
+import molt_nb
+from molt_nb.core import SamplingParams
+from molt_nb.engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def dense(tmp_path_factory):
+    return contract.policy(root=tmp_path_factory.mktemp('dense'))
+
+
+@pytest.fixture(scope='module')
+def moe(tmp_path_factory):
+    return contract.policy(moe=True, root=tmp_path_factory.mktemp('moe'), dense_layers=(1,), num_layers=3)
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    for name, module in fake_vllm.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def start(kind: str, p: contract.Policy, **kw):
+    "An engine of `kind` serving `p` (call inside the loop that will use it)"
+    if kind == 'torch':
+        model, _ = contract.load_policy(p.path)
+        return TorchEngine(model, max_batch=64)
+    from molt_nb.vllm_engine import engine_args
+
+    return fake_vllm.start(engine_args(str(p.path), dtype='float32', seed=0, routes=p.moe), **kw)
+
+
+def run(kind: str, p: contract.Policy, check, *args):
+    async def go():
+        engine = start(kind, p)
+        try:
+            return await check(engine, p, *args)
+        finally:
+            engine.close()
+
+    return asyncio.run(go())
+
+
+KINDS = ['torch', 'vllm-fake']
+CHECKS = [
+    contract.logprobs_match_a_recompute,
+    contract.stops_at_a_stop_id,
+    contract.keep_holds_requests_until_resume,
+    contract.abort_ends_running_requests,
+    contract.bad_prompts_fail_with_a_fix,
+]
+
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('check', CHECKS, ids=lambda c: c.__name__)
+def test_contract(kind, check, dense, stub):
+    run(kind, dense, check)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_contract_versions_across_a_drain_sync(kind, dense, stub):
+    run(kind, dense, contract.drain_then_load_keeps_versions_exact, contract.perturbed(dense))
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_contract_routes(kind, moe, stub):
+    out = run(kind, moe, contract.routes_cover_every_token)
+    assert out['rows'] > 6
+
+
+def test_vllm_broadcast_sync_equals_a_fresh_engine(dense, stub, tmp_path):
+    new = contract.perturbed(dense)
+    fresh_policy = contract.saved(dense, new, tmp_path / 'fresh')
+
+    async def go():
+        engine, fresh = start('vllm-fake', dense), start('vllm-fake', fresh_policy)
+        try:
+            return await contract.broadcast_sync_equals_a_fresh_engine(engine, fresh, dense, new)
+        finally:
+            engine.close()
+            fresh.close()
+
+    out = asyncio.run(go())
+    assert out['buckets'] > 1
+
+
+def test_vllm_refuses_a_load_with_requests_in_flight(dense, stub):
+    async def go():
+        engine = start('vllm-fake', dense)
+        try:
+            running = asyncio.ensure_future(engine.generate([1, 2], SamplingParams(max_tokens=200)))
+            await asyncio.sleep(0.02)
+            with pytest.raises(RuntimeError, match=r'pause\(drain=True\) first'):
+                await engine.load_weights(contract.perturbed(dense), 1)
+            await running
+        finally:
+            engine.close()
+
+    asyncio.run(go())
+
+
+def test_every_sampling_field_is_sent(stub):
+    "The stand-in's SamplingParams takes exactly the recorded fields and the engine sends every one of them"
+    from molt_nb.vllm_engine import sampling_kwargs
+
+    fields = set(json.loads((ROOT / 'tests/vllm/sampling_fields.json').read_text()))
+    sent = sampling_kwargs(SamplingParams(top_k=5, stop_token_ids=(3,)))
+    assert set(sent) == fields, (fields - set(sent), set(sent) - fields)
+    assert sent['ignore_eos'] and sent['logprobs'] == 0 and not sent['detokenize'] and sent['top_k'] == 5
+    assert sampling_kwargs(SamplingParams(top_k=0))['top_k'] == -1
+
+
+def test_engine_args_pin_what_exactness_needs():
+    from molt_nb.vllm_engine import PINNED_ARGS, engine_args
+
+    args = engine_args('/m', routes=True, tensor_parallel_size=2)
+    assert {k: args[k] for k in PINNED_ARGS} == PINNED_ARGS and args['enable_return_routed_experts']
+    for clash in (dict(enable_prefix_caching=True), dict(logprobs_mode='raw_logprobs')):
+        with pytest.raises(ValueError, match='remove them'):
+            engine_args('/m', extra=clash)
+
+
+def test_without_vllm_the_engine_says_how_to_install_it():
+    from molt_nb.vllm_engine import VLLMEngine, engine_args, import_vllm
+
+    with pytest.raises(ImportError, match=r"constraints-gpu.txt -e '\.\[gpu\]'"):
+        fake_vllm.absent(import_vllm)
+    with pytest.raises(ImportError, match='make venv-vllm'):
+        fake_vllm.absent(lambda: VLLMEngine.start(engine_args('/nonexistent')))
+
+
+def test_every_module_imports_without_vllm_or_automodel():
+    "A fresh interpreter where vLLM and NeMo AutoModel cannot be imported imports every molt_nb module"
+    names = [m.name for m in pkgutil.iter_modules(molt_nb.__path__, 'molt_nb.')]
+    code = (
+        "import sys, importlib\n"
+        "for m in ('vllm', 'nemo_automodel'): sys.modules[m] = None\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "assert 'vllm' not in [m for m in sys.modules if sys.modules[m] is not None and m.startswith('vllm')]\n"
+        "print(len(" + repr(names) + "))\n"
+    )
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip()) == len(names) > 20
+    importlib.import_module('molt_nb.vllm_engine')  # and here, where the test process has none either

@@ -1,0 +1,71 @@
+"""The Engine contract through real vLLM (the `vllm-cpu` build on CPU), run by `make test-vllm` in its own virtualenv.
+
+The same checks as `tests/test_engine_contract.py` runs in CI on the stand-in, here on one `AsyncLLM` (it takes
+tens of seconds to start on CPU): token identity and logprobs against a trainer recompute, stop ids, the three pause
+modes with requests in flight, versions across a drained sync, and a weight update through the worker extension
+(`collective_rpc`, a gloo broadcast from a trainer rank) after which greedy turns equal those of an engine started
+on the same weights. The figures go to `bench/out/vllm_cpu.json` and, by hand, to `bench/RESULTS.md`.
+"""
+
+import asyncio, json, time
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip('vllm')
+
+import engine_contract as contract  # noqa: E402
+from molt_nb.vllm_engine import VLLMEngine, engine_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(p: contract.Policy) -> VLLMEngine:
+    return VLLMEngine.start(
+        engine_args(
+            str(p.path), dtype='float32', seed=0, max_batch=64, max_model_len=512, extra=dict(enforce_eager=True)
+        )
+    )
+
+
+def test_recorded_sampling_fields_are_the_installed_vllms():
+    "tests/vllm/sampling_fields.json (what CI checks `sampling_kwargs` against) lists this vLLM's input fields"
+    recorded = set(json.loads((ROOT / 'tests/vllm/sampling_fields.json').read_text()))
+    real = {f for f in vllm.SamplingParams.__struct_fields__ if not f.startswith('_')} - {'output_text_buffer_length'}
+    assert recorded == real, dict(missing=real - recorded, extra=recorded - real)
+
+
+def test_contract_on_real_vllm(tmp_path):
+    p = contract.policy(root=tmp_path)
+    first, second = contract.perturbed(p, seed=1), contract.perturbed(p, seed=2)
+    fresh_policy = contract.saved(p, second, tmp_path / 'fresh')
+
+    async def go():
+        figures, t = {}, time.perf_counter()
+        engine = start(p)
+        figures['start_s'] = round(time.perf_counter() - t, 1)
+        fresh = None
+        try:
+            for check in (
+                contract.logprobs_match_a_recompute,
+                contract.stops_at_a_stop_id,
+                contract.keep_holds_requests_until_resume,
+                contract.abort_ends_running_requests,
+                contract.bad_prompts_fail_with_a_fix,
+            ):
+                figures[check.__name__] = await check(engine, p)
+            figures['drain'] = await contract.drain_then_load_keeps_versions_exact(engine, p, first)
+            fresh = start(fresh_policy)
+            figures['broadcast'] = await contract.broadcast_sync_equals_a_fresh_engine(engine, fresh, p, second)
+        finally:
+            engine.close()
+            if fresh is not None:
+                fresh.close()
+        return figures
+
+    figures = asyncio.run(go())
+    figures['vllm'] = vllm.__version__
+    out = ROOT / 'bench/out'
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'vllm_cpu.json').write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
