@@ -14,7 +14,8 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: golden golden-check run test setup lint lint-fix check-clean check-export check-readme nbtest nbval pytest readme
+.PHONY: golden golden-check run test setup lint lint-fix check-clean check-export check-readme nbtest nbval pytest readme \
+	gpu-constraints check-gpu-constraints
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -105,3 +106,21 @@ nbval: setup
 
 pytest: setup
 	$(BIN)/python -m pytest tests -p no:cacheprovider --durations=12
+
+## make check-gpu-constraints: resolve the GPU images' pins again against PyPI (network; not part of `make test`) and
+## fail if the result is not exactly cluster/constraints-gpu-{vllm,automodel}.txt; FRESH=1 resolves from the roots
+## instead (fails when upstream released newer versions: time to run `make gpu-constraints` and review the diff).
+## Both run a CPython 3.12 (the image's; markers are evaluated by it): GPU_PYTHON=/path/to/python3.12 if needed.
+GPU_PYTHON  ?= python3.12
+GPU_RESOLVE := .venv-gpu-resolve
+FRESH ?=
+
+$(GPU_RESOLVE)/bin/python:
+	$(GPU_PYTHON) -m venv $(GPU_RESOLVE)
+	PIP_CONFIG_FILE=/dev/null $(GPU_RESOLVE)/bin/python -m pip install -q --index-url https://pypi.org/simple pip==26.3
+
+check-gpu-constraints: $(GPU_RESOLVE)/bin/python
+	$(GPU_RESOLVE)/bin/python cluster/gpu_constraints.py check $(if $(FRESH),--fresh)
+
+gpu-constraints: $(GPU_RESOLVE)/bin/python
+	$(GPU_RESOLVE)/bin/python cluster/gpu_constraints.py write
