@@ -27,7 +27,8 @@ from molt_nb.weight_sync import (
 
 # %% ../nbs/15b_vllm.ipynb #4ec40a14
 VLLM_FIX = (
-    "install the GPU stack: pip install -c cluster/constraints-gpu.txt -e '.[gpu]' (on CPU, for tests: make venv-vllm)"
+    "install the rollout side of the GPU stack: pip install -c cluster/constraints-gpu-vllm.txt -e '.[vllm]' (see "
+    "cluster/README.md; on CPU, for tests: make venv-vllm)"
 )
 
 

@@ -137,7 +137,7 @@ def test_engine_args_pin_what_exactness_needs():
 def test_without_vllm_the_engine_says_how_to_install_it():
     from molt_nb.vllm_engine import VLLMEngine, engine_args, import_vllm
 
-    with pytest.raises(ImportError, match=r"constraints-gpu.txt -e '\.\[gpu\]'"):
+    with pytest.raises(ImportError, match=r"constraints-gpu-vllm.txt -e '\.\[vllm\]'"):
         fake_vllm.absent(import_vllm)
     with pytest.raises(ImportError, match='make venv-vllm'):
         fake_vllm.absent(lambda: VLLMEngine.start(engine_args('/nonexistent')))
