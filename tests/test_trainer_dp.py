@@ -75,7 +75,7 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     out['grads'] = full_grads(a, batch)
     out['step1'] = summary(a.train_step(batch))
     out['weights1'] = named(a)
-    out['optimizer1'] = copy.deepcopy(a._full_state()[1])  # on CPU its tensors are the live state
+    out['optimizer1'] = copy.deepcopy(a.backend._full_state(a)[1])  # on CPU its tensors are the live state
     out['saved'] = a.save(root / kind, extra={'at': 1})
     out['rng_saved'] = torch.get_rng_state()
     out['step2'], out['weights2'] = summary(a.train_step(batch)), named(a)
@@ -83,7 +83,7 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     torch.manual_seed(1234)  # moved on purpose: load must restore the saved RNG
     out['extra'], out['state'] = b.load(root / kind), (b.step, b.version)
     out['rng_loaded'] = torch.get_rng_state()
-    out['optimizer_loaded'] = copy.deepcopy(b._full_state()[1])
+    out['optimizer_loaded'] = copy.deepcopy(b.backend._full_state(b)[1])
     out['step2_resumed'], out['weights2_resumed'] = summary(b.train_step(batch)), named(b)
     return out
 
