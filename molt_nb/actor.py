@@ -105,7 +105,7 @@ class Backend(Protocol):
     world_size: int  # data-parallel ranks (1 alone)
 
     def wrap(self, model): ...  # the model to train: sharded, or as it is
-    def route_replay(self, model, routing: RoutingConfig): ...  # MoE: the routers' replay (`RouteReplay`), or None
+    def route_replay(self, model, routing: RoutingConfig): ...  # MoE: freeze routers, their replay; or None
     def sum_over_ranks(self, t: Tensor) -> Tensor: ...  # `t` summed over the ranks, in place (a collective)
     def clip_grad_norm(self, params: list, max_norm: float) -> Tensor: ...  # clip; the whole model's norm
     def export_weights(self, model) -> list | None: ...  # (engine name, full tensor) on rank 0, else None
@@ -122,7 +122,11 @@ class TorchBackend:
         return model
 
     def route_replay(self, model, routing: RoutingConfig):
-        return RouteReplay(model, routing.replay) if moe_gates(model) else None
+        if not moe_gates(model):
+            return None
+        if routing.freeze_router:
+            freeze_routers(model)
+        return RouteReplay(model, routing.replay)
 
     def sum_over_ranks(self, t: Tensor) -> Tensor:
         return t
@@ -170,7 +174,7 @@ class FSDP2Backend(TorchBackend):
         "A collective: every rank calls it (`full_tensor` all-gathers each parameter), rank 0 gets the list"
         with torch.no_grad():
             full = [(n, p.full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in model.named_parameters()]
-        return full if self.rank == 0 else None
+        return full if dist.get_rank() == 0 else None  # the group's rank 0 (a data-parallel rank has replicas)
 
 # %% ../nbs/15_actor.ipynb #51911d3f
 @dataclass
@@ -234,8 +238,6 @@ class PolicyActor:
             m.to(self.device).eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)
         ]
         self.routing = routing
-        if routing.freeze_router and moe_gates(model):
-            freeze_routers(model)
         self.router = self.backend.route_replay(model, routing)
         model = self.model = self.backend.wrap(self.model)
         params = [p for p in model.parameters() if p.requires_grad]
