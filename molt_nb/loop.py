@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 from fastcore.basics import patch
 from .core import Batch, SamplingParams, collate
-from .actor import BackwardError, PolicyActor, join_group, latest_checkpoint
+from .actor import BackwardError, FSDP2Backend, PolicyActor, TorchBackend, join_group, latest_checkpoint
 from .weight_sync import Manifest, WeightSender, free_port, join_transport_group, manifest_of
 from .router import TRANSPORT_TIMEOUT_S, EngineActor, Router
 from .pool import Failures, Pool, RunStopped, reason_of, traceback_of, within
-from .config import RunConfig, build_policy, policy_tokenizer
+from .config import RunConfig, build_policy, policy_tokenizer, train_backend
 from .recipe import recipe_parts
 from .store import RunStore, sample_frame, token_columns
 from .swaps import SwapFailed, in_use, install, with_algo
@@ -71,7 +71,7 @@ class Trainer:
 
     def _policy_actor(self, dp=None) -> PolicyActor:
         cfg = self.cfg
-        model, _ = build_policy(cfg)
+        backend, model = self._backend(dp)
         return PolicyActor(
             model.train(),
             cfg.algo,
@@ -80,8 +80,20 @@ class Trainer:
             routing=cfg.routing,
             temperature=cfg.rollout.temperature,  # the trainer scores tokens at the temperature they were sampled at
             device=cfg.cluster.device,  # on a GPU actor, the GPU Ray gave it (the only one it sees)
-            dp=dp,
+            backend=backend,
         )
+
+    def _backend(self, dp) -> tuple:
+        "(backend, policy) as `train.backend` says; AutoModel builds the policy itself (a GPU extra: imported here)"
+        cfg, name = self.cfg, train_backend(self.cfg)
+        dtype = None if cfg.train.param_dtype is None else getattr(torch, cfg.train.param_dtype)
+        if name == 'automodel':
+            from molt_nb.automodel import AutoModelBackend
+
+            backend = AutoModelBackend(cfg.model.path, param_dtype=dtype)
+            return backend, backend.model
+        backend = TorchBackend() if name == 'torch' else FSDP2Backend(dp, param_dtype=dtype)
+        return backend, build_policy(cfg)[0]
 
     def train_step(self, batch: Batch, swaps: list = ()) -> StepOutput:
         "Install `swaps`, then take one optimizer step on `batch`"

@@ -12,7 +12,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
 EXTRAS = PROJECT['optional-dependencies']
-# extra -> the constraints file it is installed with (cluster/INSTALL-gpu.md)
+# extra -> the constraints file it is installed with (cluster/README.md, "Installing on a GPU image")
 GPU_EXTRAS = {'vllm': 'cluster/constraints-gpu-vllm.txt', 'automodel': 'cluster/constraints-gpu-automodel.txt'}
 # what only a GPU image may install: the backends and what pulls a CUDA build (a torch from a CUDA index, NVIDIA's
 # CUDA wheels, triton, which torch's CUDA build brings)

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from molt_nb.actor import DataParallel, PolicyActor, join_group, leave_group
+from molt_nb.actor import DataParallel, FSDP2Backend, PolicyActor, join_group, leave_group
 from molt_nb.config import AlgoConfig, OptimConfig
 from molt_nb.core import collate
 from molt_nb.golden import golden_trajectories
@@ -22,6 +22,7 @@ from molt_nb.models import build_tokenizer, tiny_dense, tiny_moe
 WORLD = 2
 KINDS = ('dense', 'moe')
 TIGHT = dict(rtol=1e-5, atol=1e-6)
+TIED = {'lm_head.weight'}  # the tiny models' second name of model.embed_tokens.weight: exported once, as the first
 
 
 def golden_batch():
@@ -29,10 +30,12 @@ def golden_batch():
     return collate(golden_trajectories())
 
 
-def make_actor(kind: str, dp=None) -> PolicyActor:
+def make_actor(kind: str, dp=None, **backend) -> PolicyActor:
+    "The actor of each test; `backend` options build an `FSDP2Backend` over `dp` (plain `dp=` otherwise)"
     model = (tiny_dense if kind == 'dense' else tiny_moe)(build_tokenizer())
     # grad_clip below the step's norm (~1.8): a rank clipping by its own shard's norm would change the update
-    return PolicyActor(model, AlgoConfig(), OptimConfig(grad_clip=1.0), micro_batch_rows=2, version=5, dp=dp)
+    fsdp2 = dict(backend=FSDP2Backend(dp, **backend)) if backend else dict(dp=dp)
+    return PolicyActor(model, AlgoConfig(), OptimConfig(grad_clip=1.0), micro_batch_rows=2, version=5, **fsdp2)
 
 
 def full_grads(actor: PolicyActor, batch) -> dict:
@@ -70,12 +73,13 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     buggy = make_actor(kind, DataParallel(dp.rank, dp.world_size, dp.mesh, global_mean=False))
     out['bug_grads'] = full_grads(buggy, batch)
     a = make_actor(kind, dp)
+    out['weights0'] = named(a)
     adv = a.advantages(batch)
     out['micro_batches'] = a._micro_batches(batch, a.live_rows(batch, adv))
     out['grads'] = full_grads(a, batch)
     out['step1'] = summary(a.train_step(batch))
     out['weights1'] = named(a)
-    out['optimizer1'] = copy.deepcopy(a._full_state()[1])  # on CPU its tensors are the live state
+    out['optimizer1'] = copy.deepcopy(a.backend._full_state(a)[1])  # on CPU its tensors are the live state
     out['saved'] = a.save(root / kind, extra={'at': 1})
     out['rng_saved'] = torch.get_rng_state()
     out['step2'], out['weights2'] = summary(a.train_step(batch)), named(a)
@@ -83,9 +87,39 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     torch.manual_seed(1234)  # moved on purpose: load must restore the saved RNG
     out['extra'], out['state'] = b.load(root / kind), (b.step, b.version)
     out['rng_loaded'] = torch.get_rng_state()
-    out['optimizer_loaded'] = copy.deepcopy(b._full_state()[1])
+    out['optimizer_loaded'] = copy.deepcopy(b.backend._full_state(b)[1])
     out['step2_resumed'], out['weights2_resumed'] = summary(b.train_step(batch)), named(b)
+    out['dcp'] = run_dcp(kind, dp, root / f"{kind}-dcp")
+    out['bf16'] = run_bf16(kind, dp)
     return out
+
+
+def run_dcp(kind: str, dp: DataParallel, root: Path) -> dict:
+    "Save a sharded (DCP) checkpoint after step 1, take step 2; a fresh group loads it and takes step 2 again"
+    a, batch = make_actor(kind, dp, checkpoint='dcp'), golden_batch()
+    a.train_step(batch)
+    saved = a.save(root, extra={'at': 1})
+    out = dict(saved=saved, files=sorted(p.name for p in Path(saved).iterdir()), rng_saved=torch.get_rng_state())
+    out |= dict(
+        step2=summary(a.train_step(batch)), weights2=named(a), optimizer2=copy.deepcopy(a.backend._full_state(a)[1])
+    )
+    b = make_actor(kind, dp, checkpoint='dcp')
+    torch.manual_seed(4321)  # moved on purpose: load must restore this rank's saved RNG
+    out |= dict(extra=b.load(root), state=(b.step, b.version), rng_loaded=torch.get_rng_state())
+    out |= dict(step2_resumed=summary(b.train_step(batch)), weights2_resumed=named(b))
+    out['optimizer2_resumed'] = copy.deepcopy(b.backend._full_state(b)[1])
+    return out
+
+
+def run_bf16(kind: str, dp: DataParallel) -> dict:
+    "One step with bf16 compute (FSDP2 MixedPrecisionPolicy) over fp32 master weights, or the error torch raises"
+    try:
+        a = make_actor(kind, dp, param_dtype=torch.bfloat16)
+        r = summary(a.train_step(golden_batch()))
+        dtypes = sorted({str(p.dtype) for p in a.model.parameters()})
+        return dict(step=r, weights=named(a), master_dtypes=dtypes)
+    except Exception as e:  # recorded, and asserted on by the test, so a torch that refuses it is seen
+        return dict(error=f"{type(e).__name__}: {e}")
 
 
 def rank_main(rank: int, port: int, root: str):
@@ -129,8 +163,9 @@ def single():
     out = {}
     for kind in KINDS:
         batch, a = golden_batch(), make_actor(kind)
+        state0 = {n: t.clone() for n, t in a.model.state_dict().items()}
         grads = full_grads(a, batch)
-        out[kind] = dict(grads=grads, step1=summary(a.train_step(batch)), weights1=named(a))
+        out[kind] = dict(state0=state0, grads=grads, step1=summary(a.train_step(batch)), weights1=named(a))
         out[kind] |= dict(step2=summary(a.train_step(batch)), weights2=named(a))
     return out
 
@@ -215,3 +250,51 @@ def test_group_checkpoint_loads_into_one_process(group, single, kind):
     assert_close(a.opt.state_dict(), r['optimizer1'], rtol=0, atol=0)
     assert_same_step(summary(a.train_step(golden_batch())), r['step2'], **TIGHT)
     assert_close(named(a), r['weights2'], **TIGHT)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_gathered_export_is_the_one_process_state(group, single, kind):
+    """The gathered export loses nothing: before a step it is the one-process `state_dict` to the bit (names, order,
+    values). After a step it is not bitwise the one-process step's: the gradient sums the same terms in another order
+    (rank 0's micro-batches [0, 2], [4, 6], [8], rank 1's [1, 3], [5, 7], then a sum over ranks, against [0, 1], [2, 3],
+    ... in one process), so the weights differ by a few fp32 ulps, bounded here"""
+    got, ref = group[0][kind]['weights0'], single[kind]['state0']
+    assert list(got) == [n for n in ref if n not in TIED] and set(ref) - set(got) == TIED
+    assert all(torch.equal(t, ref[n]) for n, t in got.items())
+    grads = max(float((g - single[kind]['grads'][n]).abs().max()) for n, g in group[0][kind]['grads'].items())
+    steps = [
+        max(float((t - single[kind][w][n]).abs().max()) for n, t in group[0][kind][w].items())
+        for w in ('weights1', 'weights2')
+    ]
+    print(f"{kind}: max |dgrad| {grads:.1e}, max |dweight| after step 1 {steps[0]:.1e}, step 2 {steps[1]:.1e}")
+    assert max(steps) < 1e-6
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_dcp_checkpoint_resumes_exactly_in_a_group(group, kind):
+    "Sharded save on 2 ranks, load on 2 ranks: the same step 2 (metrics, weights, optimizer) to the bit"
+    for rank in range(WORLD):
+        r = group[rank][kind]['dcp']
+        assert (r['extra'], r['state']) == ({'at': 1}, (1, 6))
+        assert torch.equal(r['rng_loaded'], r['rng_saved'])
+        assert_close(r['step2_resumed'], r['step2'], rtol=0, atol=0)
+    r = group[0][kind]['dcp']
+    assert r['files'] == ['config.json', 'dcp', 'state.json', 'trainer.pt']
+    assert_close(r['weights2_resumed'], r['weights2'], rtol=0, atol=0)
+    assert_close(r['optimizer2_resumed'], r['optimizer2'], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_bf16_compute_steps_on_gloo(group, single, kind):
+    """bf16 forward/backward (FSDP2's MixedPrecisionPolicy) over fp32 master weights runs on CPU gloo: the masters stay
+    fp32, the logprobs really are bf16's (not the fp32 step's) and near them, the gradient norm within 5%"""
+    r = group[0][kind]['bf16']
+    assert 'error' not in r, r.get('error')
+    assert r['master_dtypes'] == ['torch.float32']
+    one, act = single[kind]['step1'], golden_batch().action_mask
+    assert r['step']['live_rows'] == one['live_rows']
+    dlogp = float(((r['step']['logprobs'] - one['logprobs']) * act).abs().max())
+    norms = r['step']['metrics']['grad_norm'], one['metrics']['grad_norm']
+    print(f"bf16 vs fp32 step, {kind}: max |dlogp| {dlogp:.1e}, grad_norm {norms[0]:.4f} vs {norms[1]:.4f}")
+    assert 1e-4 < dlogp < 0.1
+    assert_close(*norms, rtol=0.05, atol=0)
