@@ -158,7 +158,7 @@ nvidia-nccl-cu13), NVIDIA driver >= 580 or the cuda-compat-13-0 layer. The chose
 ({glibc[1]}); the resolution allowed wheels up to manylinux_2_{GLIBC_MAX} (Ubuntu 22.04).
 NOT verified: nothing of this set was installed, imported or run: there is no GPU on the machine that resolved it, \
 and pip resolved metadata only. Why two files and not one: no vllm on PyPI installs next to nemo-automodel 0.7.0 \
-(quack-kernels ==0.6.5 vs ==0.6.4, nvidia-cutlass-dsl >=4.7 vs ==4.6.2); see cluster/INSTALL-gpu.md."""
+(quack-kernels ==0.6.5 vs ==0.6.4, nvidia-cutlass-dsl >=4.7 vs ==4.6.2); see cluster/README.md ("Installing on a GPU image")."""
     out = []
     for para in text.split('\n'):
         indent = '  ' if para.startswith('  ') else ''
