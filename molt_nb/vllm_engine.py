@@ -147,20 +147,38 @@ class WeightLoader:
         self.molt_staged = {version: items}
         return len(items)
 
-    def molt_load(self, version: int, buckets: list | None = None, arrays: list | None = None) -> list:
-        """Load the weights of `version`: staged by `molt_receive`, or passed as `plain_buckets` and one uint8 array per
-        bucket; the model's parameters they left unloaded"""
-        if arrays is None:
+    def molt_load(self, version: int, buckets: list | None = None, blobs: list | None = None) -> list:
+        """Load the weights of `version`: staged by `molt_receive`, or passed as `plain_buckets` and one `bytes` per
+        bucket (vLLM's RPC carries neither tensors nor arrays to a worker); the model's parameters left unloaded"""
+        if blobs is None:
             staged = getattr(self, 'molt_staged', {})
             if version not in staged:
                 raise RuntimeError(f"vLLM worker: no staged weights of version {version} (staged: {sorted(staged)})")
             items = staged.pop(version)
         else:
-            m = manifest_from(version, buckets)
-            items = [nt for b, a in zip(m.buckets, arrays) for nt in unpack(b, torch.from_numpy(np.asarray(a)))]
-        model = self.model_runner.model
-        loaded = set(model.load_weights(weights=iter(items)) or ())
-        return sorted(set(n for n, _ in model.named_parameters()) - loaded)
+            flats = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+            items = [nt for b, flat in zip(manifest_from(version, buckets).buckets, flats) for nt in unpack(b, flat)]
+        return self.molt_reload(items)
+
+    def molt_reload(self, items: list) -> list:
+        """vLLM's in-place reload of `items` (HF names): the layers' kernels are rebuilt from the new weights, which a
+        bare `load_weights` would not do (the CPU build's repacked layers even refuse it); the parameters left
+        unloaded"""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        names = {n for n, _ in model.named_parameters()}
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+            loaded = set(model.load_weights(weights=iter(items)) or ())
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            head, config = getattr(model, 'lm_head', None), getattr(model, 'config', None)
+            if getattr(config, 'tie_word_embeddings', False) and hasattr(head, 'quant_method'):
+                # a tied head shares the embedding's weight, but the reload reprocesses only the embedding: its kernel
+                # (repacked on CPU) would keep the old weights
+                head.quant_method.process_weights_after_loading(head)
+        return sorted(names - loaded)
 
 # %% ../nbs/15b_vllm.ipynb #767f8f7f
 PINNED_ARGS = dict(
@@ -368,7 +386,7 @@ async def load_weights(self: VLLMEngine, named_tensors, version: int):
     self._check_idle('load_weights')
     items = list(named_tensors.items() if hasattr(named_tensors, 'items') else named_tensors)
     m, tensors = manifest_of(items, version), dict(items)
-    await self._load(version, (plain_buckets(m), [pack(b, tensors).cpu().numpy() for b in m.buckets]))
+    await self._load(version, (plain_buckets(m), [pack(b, tensors).cpu().numpy().tobytes() for b in m.buckets]))
 
 
 @patch
@@ -398,9 +416,9 @@ async def receive(self: VLLMEngine, manifest, kind: str):
     if kind == 'broadcast':
         await self.llm.collective_rpc('molt_receive', args=(manifest.version, plain_buckets(manifest)))
         self.staged = {manifest.version: None}
-    else:  # fetched here, handed to the workers at load as arrays (vLLM's RPC carries numpy arrays as they are)
+    else:  # fetched here, handed to the workers at load as bytes
         flats = await asyncio.to_thread(fetch_payload, manifest, torch.device('cpu'))
-        self.staged = {manifest.version: (plain_buckets(manifest), [f.numpy() for f in flats])}
+        self.staged = {manifest.version: (plain_buckets(manifest), [f.numpy().tobytes() for f in flats])}
 
 
 @patch

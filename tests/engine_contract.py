@@ -1,7 +1,7 @@
 """The Engine contract: what every rollout engine must do, as async checks over a started engine.
 
 `tests/test_engine_contract.py` runs them over `TorchEngine` and over `VLLMEngine` on the CI's stand-in for vLLM
-(`fake_vllm`); `tests/vllm/test_real.py` runs them over real vLLM (`make test-vllm`). Each check takes an engine and
+(`fake_vllm`); `tests/vllm_cpu/test_real.py` runs them over real vLLM (`make test-vllm`). Each check takes an engine and
 a `Policy` (the checkpoint it serves, and the same model in fp32 to recompute logprobs), and returns its figures.
 """
 

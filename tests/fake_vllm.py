@@ -8,13 +8,15 @@ generation as processed (the last sampled token has no row) and only the MoE lay
 contract on real vLLM.
 """
 
-import asyncio, enum, json, sys, types
+import asyncio, contextlib, enum, json, sys, types
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-SAMPLING_FIELDS = json.loads((Path(__file__).parent / 'vllm' / 'sampling_fields.json').read_text())
+# every field of the real vllm.SamplingParams (0.32) with its default; the input fields are those not set by vLLM itself
+RECORDED = json.loads((Path(__file__).parent / 'vllm_cpu' / 'sampling_fields.json').read_text())
+SAMPLING_FIELDS = [f for f in RECORDED if not f.startswith('_') and f != 'output_text_buffer_length']
 
 
 class RequestOutputKind(enum.Enum):
@@ -27,7 +29,7 @@ class SamplingParams:
     "Takes exactly the recorded fields of the real one; a field left out gets its recorded default"
 
     def __init__(self, **kw):
-        unknown = set(kw) - set(SAMPLING_FIELDS)
+        unknown = set(kw) - set(RECORDED)
         if unknown:
             raise TypeError(f"SamplingParams got unexpected keyword arguments {sorted(unknown)}")
         self.given = set(kw)
@@ -41,18 +43,20 @@ class AsyncEngineArgs:
 
 
 class Worker:
-    "What a vLLM worker gives its extension: `rank`, `device`, `model_runner.model`"
+    "What a vLLM worker gives its extension: `rank`, `device`, `vllm_config`, `model_runner.get_model()`"
 
     def __init__(self, engine):
         self.rank, self.device, self.engine, self.loop = 0, engine.device, engine, None
-        self.model_runner = SimpleNamespace(model=Model(self))
+        self.vllm_config = SimpleNamespace(model_config=None)
+        model = Model(self)
+        self.model_runner = SimpleNamespace(model=model, get_model=lambda: model)
 
 
 class Model:
-    "vLLM's model surface: `named_parameters` and `load_weights(weights) -> names loaded`"
+    "vLLM's model surface: `config`, `named_parameters` and `load_weights(weights) -> names loaded`"
 
     def __init__(self, worker):
-        self.worker = worker
+        self.worker, self.config, self.reloads = worker, worker.engine.model.config, []
 
     def named_parameters(self):
         return self.worker.engine.model.named_parameters()
@@ -146,9 +150,30 @@ class AsyncLLM:
         self.engine.close()
 
 
+@contextlib.contextmanager
+def set_current_vllm_config(config):
+    yield
+
+
+def initialize_layerwise_reload(model):
+    model.reloads.append('initialize')
+
+
+def finalize_layerwise_reload(model, model_config):
+    model.reloads.append('finalize')
+
+
 def stub() -> types.ModuleType:
     "A `vllm` package of the surface above (with its submodules)"
     vllm = types.ModuleType('vllm')
+    vllm.config = types.ModuleType('vllm.config')
+    vllm.config.set_current_vllm_config = set_current_vllm_config
+    reload = types.ModuleType('vllm.model_executor.model_loader.reload')
+    reload.initialize_layerwise_reload, reload.finalize_layerwise_reload = (
+        initialize_layerwise_reload,
+        finalize_layerwise_reload,
+    )
+    vllm.reload = reload
     vllm.SamplingParams, vllm.AsyncEngineArgs, vllm.__version__ = SamplingParams, AsyncEngineArgs, '0.32.0+fake'
     vllm.sampling_params = types.ModuleType('vllm.sampling_params')
     vllm.sampling_params.RequestOutputKind = RequestOutputKind
@@ -169,6 +194,10 @@ def modules() -> dict:
         'vllm.v1': v.v1,
         'vllm.v1.engine': v.v1.engine,
         'vllm.v1.engine.async_llm': v.v1.engine.async_llm,
+        'vllm.config': v.config,
+        'vllm.model_executor': types.ModuleType('vllm.model_executor'),
+        'vllm.model_executor.model_loader': types.ModuleType('vllm.model_executor.model_loader'),
+        'vllm.model_executor.model_loader.reload': v.reload,
     }
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip('vllm')
+pytest.importorskip('vllm.v1.engine.async_llm')  # not 'vllm': a directory of that name may be on sys.path
+import vllm  # noqa: E402
 
 import engine_contract as contract  # noqa: E402
 from molt_nb.vllm_engine import VLLMEngine, engine_args  # noqa: E402
@@ -26,13 +27,6 @@ def start(p: contract.Policy) -> VLLMEngine:
             str(p.path), dtype='float32', seed=0, max_batch=64, max_model_len=512, extra=dict(enforce_eager=True)
         )
     )
-
-
-def test_recorded_sampling_fields_are_the_installed_vllms():
-    "tests/vllm/sampling_fields.json (what CI checks `sampling_kwargs` against) lists this vLLM's input fields"
-    recorded = set(json.loads((ROOT / 'tests/vllm/sampling_fields.json').read_text()))
-    real = {f for f in vllm.SamplingParams.__struct_fields__ if not f.startswith('_')} - {'output_text_buffer_length'}
-    assert recorded == real, dict(missing=real - recorded, extra=recorded - real)
 
 
 def test_contract_on_real_vllm(tmp_path):
