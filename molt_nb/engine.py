@@ -6,7 +6,7 @@
 __all__ = ['Generation', 'Engine', 'TorchEngine', 'check_prompt']
 
 # %% ../nbs/03_engine.ipynb #63a03957
-import asyncio, collections, itertools, threading, time
+import asyncio, collections, inspect, itertools, threading, time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
@@ -218,6 +218,10 @@ class TorchEngine:
         )  # busy_s: seconds spent computing (idle = wall - busy)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
         self._fast = Qwen3Decoder(model, self.max_model_len) if qwen3_decodable(model) else None
+        # the cache's keyword: `cache` since transformers 5.18, `past_key_values` before (which 5.17 would swallow
+        # silently: the model then keeps its own cache and every later token's logprob is wrong)
+        takes = inspect.signature(model.model.forward).parameters
+        self._cache_kw = 'cache' if 'cache' in takes else 'past_key_values'
         self._route_shape, self._captured = route_shape(model), {}
         for i, gate in moe_gates(model).items():
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
@@ -504,8 +508,9 @@ def _forward(self: TorchEngine, ids, pos, mask, cache):
     if ids.shape[1] == 1 and self._fast:
         logits = self._fast(ids, pos, mask, cache)
     else:
+        kw = {self._cache_kw: cache}
         logits = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, logits_to_keep=1, **kw
         ).logits[:, -1]
     cache.length += ids.shape[1]
     return logits.float()
