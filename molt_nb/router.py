@@ -271,7 +271,8 @@ async def each(self: Router, name: str, *args) -> list:
     for (i, incarnation), r in zip(live, out):
         if isinstance(r, BaseException):
             if not died(r):
-                raise RuntimeError(f"engine {i}: {name} failed: {type(r).__name__}: {r}") from r
+                cause = getattr(r, 'cause', None) or r  # a Ray task error's own message is the remote exception's
+                raise RuntimeError(f"engine {i}: {name} failed: {type(cause).__name__}: {cause}") from r
             self._dead(i, incarnation)
     live = [i for i, _ in live]
     return [(i, r) for i, r in zip(live, out) if not isinstance(r, BaseException)]

@@ -89,7 +89,9 @@ def test_vllm_broadcast_sync_equals_a_fresh_engine(dense, stub, tmp_path):
     async def go():
         engine, fresh = start('vllm-fake', dense), start('vllm-fake', fresh_policy)
         try:
-            return await contract.broadcast_sync_equals_a_fresh_engine(engine, fresh, dense, new)
+            out = await contract.broadcast_sync_equals_a_fresh_engine(engine, fresh, dense, new)
+            await contract.logprobs_match_a_recompute(engine, fresh_policy)  # the new weights are the ones that sample
+            return out
         finally:
             engine.close()
             fresh.close()

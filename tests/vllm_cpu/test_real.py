@@ -49,8 +49,12 @@ def test_contract_on_real_vllm(tmp_path):
             ):
                 figures[check.__name__] = await check(engine, p)
             figures['drain'] = await contract.drain_then_load_keeps_versions_exact(engine, p, first)
+            # the loaded weights are the ones that sample: the logprobs are a recompute's on them
+            loaded = contract.Policy(p.path, contract.saved(p, first, tmp_path / 'first').model, False)
+            figures['after_load'] = await contract.logprobs_match_a_recompute(engine, loaded)
             fresh = start(fresh_policy)
             figures['broadcast'] = await contract.broadcast_sync_equals_a_fresh_engine(engine, fresh, p, second)
+            figures['after_broadcast'] = await contract.logprobs_match_a_recompute(engine, fresh_policy)
         finally:
             engine.close()
             if fresh is not None:
