@@ -512,9 +512,9 @@ def _check_engine(cfg: RunConfig, r, loop_cfg):
         return
     if loop_cfg.mode == 'partial':
         raise ValueError(
-            "loop.mode='partial' with rollout.engine='vllm': vLLM does not report which tokens of a request held "
-            "across a sync came before the new weights, so their versions could not be exact; use loop.mode='async' "
-            "(it drains the engines before each sync) or the torch engine"
+            "loop.mode='partial' with rollout.engine='vllm': a request vLLM holds across a sync samples its later "
+            "tokens from a KV cache the old weights computed (TorchEngine computes it again), so no policy version "
+            "would be theirs; use loop.mode='async' (it drains the engines before each sync) or the torch engine"
         )
     if policy_is_moe(cfg) and cfg.routing.replay and r.vllm.get('speculative_config'):
         raise ValueError(

@@ -43,7 +43,7 @@ def engine_of(cfg: RunConfig, nonce: int | None = None, device: str | None = Non
 
 def vllm_engine_of(cfg: RunConfig, nonce: int):
     "A `VLLMEngine` for the run: vLLM loads a checkpoint directory, so a tiny policy built in code is saved first"
-    from molt_nb.vllm_engine import VLLMEngine, engine_args
+    from molt_nb.vllm_engine import VLLMEngine, engine_args, engine_seed
 
     path, r = cfg.model.path, cfg.rollout
     if path is None:
@@ -55,7 +55,7 @@ def vllm_engine_of(cfg: RunConfig, nonce: int):
     args = engine_args(
         path,
         dtype=r.dtype,
-        seed=cfg.loop.seed,
+        seed=engine_seed(cfg.loop.seed, nonce),  # each engine, and each restart of one, samples its own stream
         max_batch=r.max_batch,
         tensor_parallel_size=cfg.cluster.engine_gpus,
         routes=policy_is_moe(cfg) and cfg.routing.replay,

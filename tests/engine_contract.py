@@ -115,15 +115,16 @@ async def drain_then_load_keeps_versions_exact(engine, p: Policy, new: dict) -> 
 
 async def keep_holds_requests_until_resume(engine, p: Policy) -> dict:
     "pause(keep=True) holds running requests; after resume they finish in full"
-    sp = SamplingParams(temperature=1.0, max_tokens=48)
+    sp = SamplingParams(temperature=1.0, max_tokens=200)
     running = [asyncio.ensure_future(engine.generate(q, sp)) for q in PROMPTS[:4]]
     await asyncio.sleep(0.05)
     await engine.pause(keep=True)
     await asyncio.sleep(0.3)
     held = sum(not t.done() for t in running)
+    assert held, 'pause(keep=True) held no request: all four had finished 200 tokens in 50 ms, or keep does nothing'
     await engine.resume()
     gens = await asyncio.gather(*running)
-    assert all(g.finish_reason == 'length' and len(g) == 48 for g in gens)
+    assert all(g.finish_reason == 'length' and len(g) == 200 for g in gens)
     return dict(held=held)
 
 

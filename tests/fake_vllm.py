@@ -83,7 +83,7 @@ class AsyncLLM:
         module, name = args.worker_extension_cls.rsplit('.', 1)
         extension = getattr(__import__(module, fromlist=[name]), name)
         self.worker = type('ExtendedWorker', (Worker, extension), {})(self.engine)
-        self.tasks, self.calls = {}, []
+        self.tasks, self.calls, self.label = {}, [], None  # label: the weight version vLLM stamps tokens with
 
     @classmethod
     def from_engine_args(cls, args):
@@ -102,6 +102,7 @@ class AsyncLLM:
             max_tokens=params.max_tokens,
             stop_token_ids=tuple(params.stop_token_ids),
         )
+        label = self.label
         task = asyncio.ensure_future(self.engine.generate(prompt['prompt_token_ids'], sp))
         self.tasks[request_id] = task
         try:
@@ -124,13 +125,19 @@ class AsyncLLM:
             logprobs=[{t: SimpleNamespace(logprob=lp, rank=1, decoded_token=None)} for t, lp in zip(ids, lps)],
             finish_reason='abort' if g is None else g.finish_reason,
             routed_experts=routed,
+            # vLLM's spans of the label its tokens were sampled under (no load happens while one runs: one span)
+            weight_versions=[SimpleNamespace(version=label, start=0, end=len(ids))] if ids and label else None,
         )
         yield SimpleNamespace(request_id=request_id, finished=True, outputs=[out])
 
     async def abort(self, request_id):
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            task = self.tasks.get(rid)
+            if task is not None:
+                task.cancel()
+
+    async def update_weight_version(self, version: str):
+        self.label = version
 
     async def pause_generation(self, mode: str = 'abort', **kw):
         assert mode in ('wait', 'keep', 'abort'), mode

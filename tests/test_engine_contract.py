@@ -160,3 +160,64 @@ def test_every_module_imports_without_vllm_or_automodel():
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.strip()) == len(names) > 20
     importlib.import_module('molt_nb.vllm_engine')  # and here, where the test process has none either
+
+
+def test_vllm_stages_the_next_version_before_this_one_loads(dense, stub):
+    "The loop fetches N+1 as soon as it has trained, possibly before N is loaded: both stay staged, in order"
+    from molt_nb.weight_sync import WeightSender
+
+    async def go():
+        engine = start('vllm-fake', dense)
+        try:
+            for v, seed in ((1, 1), (2, 2)):
+                items = list(contract.perturbed(dense, seed=seed).items())
+                await engine.receive(WeightSender('inprocess').send(items, v), 'inprocess')
+            await engine.pause(drain=True)
+            await engine.load_staged(1)
+            await engine.load_staged(2)
+            await engine.resume()
+            g = await engine.generate([1, 2, 3], SamplingParams(max_tokens=4))
+            assert set(g.versions.tolist()) == {2} and engine.staged == {}
+        finally:
+            engine.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize('mode', ['sync', 'async'])
+def test_the_loop_runs_on_vllm_engines(mode, stub, tmp_path):
+    """An in-process run with rollout.engine='vllm' (on the stand-in): every trained token is the engine's (debug
+    identity), stamped with the version that sampled it, within the staleness bound"""
+    from molt_nb.config import load_config
+    from molt_nb.loop import Orchestrator, Trainer
+    from molt_nb.store import RunStore
+
+    cfg = load_config(
+        ROOT / 'recipes' / 'parity',
+        [
+            'rollout.engine="vllm"',
+            f'loop.mode="{mode}"',
+            'loop.steps=3',
+            'loop.seconds=120',  # a broken engine ends the run (RunStopped) instead of hanging the suite
+            'loop.debug=true',
+            'loop.max_staleness=1',
+            'loop.eval_tasks=2',
+            'rollout.groups_per_step=2',
+            'rollout.n_samples=2',
+            'rollout.groups_in_flight=4',
+            'train.micro_batch_rows=4',
+            f'run_dir="{tmp_path / "run"}"',
+        ],
+    )
+    orch = Orchestrator(cfg, Trainer(cfg))
+    assert type(orch.engine.engines[0].engine).__name__ == 'VLLMEngine'
+    try:
+        row = asyncio.run(orch.run())
+    finally:
+        orch.close()
+    assert row['step'] == 3 and row['version'] == 3, row
+    m = RunStore(cfg.run_dir).metrics().iloc[1:]
+    assert (m.identity_checked == m['train/tokens']).all() and (m['train/tokens'] > 0).all()
+    s = RunStore(cfg.run_dir).samples()
+    ages = [step - 1 - v for step, vs in zip(s.step, s.versions) for v in vs]
+    assert ages and min(ages) >= 0 and max(ages) <= (0 if mode == 'sync' else 1), sorted(set(ages))
