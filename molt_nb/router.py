@@ -262,7 +262,14 @@ def _dead(self: Router, i: int, incarnation: int):
 # %% ../nbs/16_router.ipynb #fc1ee4d8
 @patch
 async def each(self: Router, name: str, *args) -> list:
-    "Call `name` on every live engine at once; the results of those that answered (one that died is marked dead)"
+    "Call `name` on every live engine at once; (slot, result) of those that answered (one that died is marked dead)"
+    return [(i, r) for i, _, r in await self.answers(name, *args)]
+
+
+@patch
+async def answers(self: Router, name: str, *args) -> list:
+    """`each`, as (slot, incarnation, result): the incarnation that answered, which a slot revived meanwhile (during
+    the await) no longer has"""
     live = [(i, self.incarnation[i]) for i, a in enumerate(self.alive) if a]
     if len(live) == 1:  # no task to gather: a call to an engine in this process then never yields to the loop
         out = [await capture(call(self.engines[live[0][0]], name, *args))]
@@ -274,8 +281,7 @@ async def each(self: Router, name: str, *args) -> list:
                 cause = getattr(r, 'cause', None) or r  # a Ray task error's own message is the remote exception's
                 raise RuntimeError(f"engine {i}: {name} failed: {type(cause).__name__}: {cause}") from r
             self._dead(i, incarnation)
-    live = [i for i, _ in live]
-    return [(i, r) for i, r in zip(live, out) if not isinstance(r, BaseException)]
+    return [(i, incarnation, r) for (i, incarnation), r in zip(live, out) if not isinstance(r, BaseException)]
 
 
 @patch
@@ -373,10 +379,10 @@ async def fetch(self: Router, trainer, kind: str, version: int) -> SyncReport:
         start = time.perf_counter()
         if kind != 'broadcast':
             manifest = await trainer('send_weights', kind, version)
-            got = await self.each('receive', manifest, kind)
+            got = await self.answers('receive', manifest, kind)
         else:
             manifest, got = await self.broadcast(trainer, version)
-        self.received[version] = {(i, self.incarnation[i]) for i, _ in got}
+        self.received[version] = {(i, incarnation) for i, incarnation, _ in got}  # who received, not who is there now
     return SyncReport(manifest.version, len(manifest.names), manifest.nbytes, time.perf_counter() - start)
 
 
@@ -389,10 +395,10 @@ def missing(self: Router, version: int) -> list:
 
 @patch
 async def broadcast(self: Router, trainer, version: int):
-    """Broadcast the weights of `version` from the trainer to every live engine; the manifest and `each`'s answers. An
-    engine found dead
-    first is replaced (the group is rebuilt); one that dies during the broadcast fails it (a peer gone resets the
-    connections, or the others wait `TRANSPORT_TIMEOUT_S`), and it runs once more without it"""
+    """Broadcast the weights of `version` from the trainer to every live engine; the manifest and the engines'
+    `answers`. An engine found dead first is replaced (the group is rebuilt); one that dies during the broadcast fails
+    it (a peer gone resets the connections, or the others wait `TRANSPORT_TIMEOUT_S`), and it runs once more without
+    it"""
     for attempt in (0, 1):
         deaths = self.counters['deaths']
         await self.each('stats')  # an engine that died since its last request is found here
@@ -401,7 +407,7 @@ async def broadcast(self: Router, trainer, version: int):
         manifest = await trainer('weight_manifest', version)
         try:
             sent = trainer('send_weights', 'broadcast', version)
-            _, got = await asyncio.gather(sent, self.each('receive', manifest, 'broadcast'))
+            _, got = await asyncio.gather(sent, self.answers('receive', manifest, 'broadcast'))
             return manifest, got
         except Exception:
             await self.each('stats')
