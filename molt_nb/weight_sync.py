@@ -182,6 +182,11 @@ class TransportGroup:
         "Start broadcasting `flat` from rank 0 into every rank's `flat`; returns the work to `wait()` on"
         return self.backend.broadcast(flat, 0)
 
+    def close(self):
+        """Shut the group's backend down now (each rank, after its last broadcast), not in a destructor at interpreter
+        exit, where a gloo thread still running can abort the process"""
+        self.backend.shutdown()
+
 
 def join_transport_group(
     host: str,  # the sender's address (rank 0 serves the store there)

@@ -76,3 +76,4 @@ if __name__ == '__main__':
     group = ws.join_transport_group('127.0.0.1', port, rank, plan['world_size'], timeout_s=60)
     result = (send if rank == 0 else receive)(folder, group, plan)
     torch.save(result, f'{folder}/result_{rank}.pt')
+    group.close()
