@@ -14,7 +14,7 @@ from .core import SamplingParams
 from .engine import Generation, TorchEngine
 from .agents import RolloutAborted
 from .config import RunConfig, build_policy, policy_is_moe
-from .weight_sync import SyncReport, WeightReceiver, join_transport_group
+from .weight_sync import SyncReport, WeightReceiver, join_transport_group, take_staged
 
 # %% ../nbs/16_router.ipynb #325b19a1
 TRANSPORT_TIMEOUT_S = 60.0  # a weight broadcast waiting longer on a peer fails (the router then retries it once)
@@ -84,12 +84,7 @@ class Staging:
         self.staged[manifest.version] = items  # the next version may arrive before this one is applied
 
     async def load_staged(self, version: int):
-        if version not in self.staged:
-            raise RuntimeError(
-                f"engine: no staged weights of version {version} to load (staged: {sorted(self.staged)})"
-            )
-        items = self.staged.pop(version)
-        self.staged = {v: t for v, t in self.staged.items() if v > version}
+        items, self.staged = take_staged(self.staged, version)
         await self.engine.load_weights(items, version)
 
 

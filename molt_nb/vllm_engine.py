@@ -22,6 +22,7 @@ from molt_nb.weight_sync import (
     join_transport_group,
     manifest_of,
     pack,
+    take_staged,
     unpack,
 )
 
@@ -150,10 +151,7 @@ class WeightLoader:
         """Load the weights of `version`: staged by `molt_receive`, or passed as `plain_buckets` and one `bytes` per
         bucket (vLLM's RPC carries neither tensors nor arrays to a worker); the model's parameters left unloaded"""
         if blobs is None:
-            staged = getattr(self, 'molt_staged', {})
-            if version not in staged:
-                raise RuntimeError(f"vLLM worker: no staged weights of version {version} (staged: {sorted(staged)})")
-            items, self.molt_staged = staged[version], {v: t for v, t in staged.items() if v > version}
+            items, self.molt_staged = take_staged(getattr(self, 'molt_staged', {}), version, 'vLLM worker')
         else:
             flats = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
             items = [nt for b, flat in zip(manifest_from(version, buckets).buckets, flats) for nt in unpack(b, flat)]
@@ -238,7 +236,7 @@ def engine_args(
     return args | extra
 
 # %% ../nbs/15b_vllm.ipynb #cedad5a4
-FINISH = dict(stop='stop', length='length', abort='abort')  # vLLM's finish reasons -> the project's (others raise)
+FINISH = ('stop', 'length', 'abort')  # the finish reasons vLLM and the project share (others raise)
 
 
 def engine_seed(seed: int, nonce: int) -> int:
@@ -400,7 +398,7 @@ def to_generation(self: VLLMEngine, out, prompt_len: int, version: int) -> Gener
         logprobs=torch.tensor(lps, dtype=torch.float32),
         versions=torch.full((len(ids),), version, dtype=torch.int32),
         routes=routes,
-        finish_reason=FINISH.get(c.finish_reason, 'abort'),
+        finish_reason=c.finish_reason,
         prompt_len=prompt_len,
     )
 
@@ -491,10 +489,7 @@ async def receive(self: VLLMEngine, manifest, kind: str):
 async def load_staged(self: VLLMEngine, version: int):
     "Load the staged weights of `version` (the engine must have no request in flight)"
     self._check_idle('load_staged')
-    if version not in self.staged:
-        raise RuntimeError(f"engine: no staged weights of version {version} to load (staged: {sorted(self.staged)})")
-    passed = self.staged.pop(version)
-    self.staged = {v: s for v, s in self.staged.items() if v > version}
+    passed, self.staged = take_staged(self.staged, version)
     await self._load(version, passed)
 
 

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['ALIGN', 'TRANSPORTS', 'named_weights', 'Coverage', 'coverage', 'TensorSpec', 'BucketSpec', 'Manifest', 'manifest_of',
            'pack', 'dtype_of', 'unpack', 'check_names', 'transport_kind', 'free_port', 'TransportGroup',
-           'join_transport_group', 'WeightSender', 'fetch_payload', 'fetch_broadcast', 'WeightReceiver', 'SyncReport']
+           'join_transport_group', 'WeightSender', 'fetch_payload', 'fetch_broadcast', 'WeightReceiver', 'take_staged',
+           'SyncReport']
 
 # %% ../nbs/14_weight_sync.ipynb #665508c4
 import datetime
@@ -312,6 +313,18 @@ class WeightReceiver:
         return [nt for b, flat in zip(manifest.buckets, flats) for nt in unpack(b, flat)]
 
 # %% ../nbs/14_weight_sync.ipynb #441674af
+def take_staged(
+    staged: dict,  # version -> weights staged for it (by whatever form the receiver keeps)
+    version: int,  # the version to load now
+    where: str = 'engine',  # who loads, for the message
+) -> tuple:
+    """(the weights staged for `version`, what stays staged: the later versions only). Weights are staged by version
+    because the loop fetches N+1 as soon as it has trained, possibly before N is loaded"""
+    if version not in staged:
+        raise RuntimeError(f"{where}: no staged weights of version {version} to load (staged: {sorted(staged)})")
+    return staged[version], {v: w for v, w in staged.items() if v > version}
+
+
 @dataclass
 class SyncReport:
     "What one weight sync did"

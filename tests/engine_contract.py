@@ -113,12 +113,18 @@ async def drain_then_load_keeps_versions_exact(engine, p: Policy, new: dict) -> 
     return dict(version=v + 1)
 
 
-async def keep_holds_requests_until_resume(engine, p: Policy) -> dict:
-    "pause(keep=True) holds running requests; after resume they finish in full"
-    sp = SamplingParams(temperature=1.0, max_tokens=200)
+async def paused_while_running(engine, keep: bool, max_tokens: int = 200) -> list:
+    "Four requests of `max_tokens` started, then the engine paused 50 ms in (keep or abort); their tasks"
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens)
     running = [asyncio.ensure_future(engine.generate(q, sp)) for q in PROMPTS[:4]]
     await asyncio.sleep(0.05)
-    await engine.pause(keep=True)
+    await engine.pause(keep=keep)
+    return running
+
+
+async def keep_holds_requests_until_resume(engine, p: Policy) -> dict:
+    "pause(keep=True) holds running requests; after resume they finish in full"
+    running = await paused_while_running(engine, keep=True)
     await asyncio.sleep(0.3)
     held = sum(not t.done() for t in running)
     assert held, 'pause(keep=True) held no request: all four had finished 200 tokens in 50 ms, or keep does nothing'
@@ -130,10 +136,7 @@ async def keep_holds_requests_until_resume(engine, p: Policy) -> dict:
 
 async def abort_ends_running_requests(engine, p: Policy) -> dict:
     "pause(keep=False) ends running requests with finish 'abort'; the engine serves again after resume"
-    sp = SamplingParams(temperature=1.0, max_tokens=200)
-    running = [asyncio.ensure_future(engine.generate(q, sp)) for q in PROMPTS[:4]]
-    await asyncio.sleep(0.05)
-    await engine.pause(keep=False)
+    running = await paused_while_running(engine, keep=False)
     gens = await asyncio.wait_for(asyncio.gather(*running), 30)
     await engine.resume()
     assert all(g.finish_reason in ('abort', 'length') for g in gens) and any(g.finish_reason == 'abort' for g in gens)

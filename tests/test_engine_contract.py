@@ -135,6 +135,8 @@ def test_engine_args_pin_what_exactness_needs():
     for clash in (dict(enable_prefix_caching=True), dict(logprobs_mode='raw_logprobs')):
         with pytest.raises(ValueError, match='remove them'):
             engine_args('/m', extra=clash)
+    with pytest.raises(ValueError, match='tensor_parallel_size from cluster.engine_gpus'):
+        engine_args('/m', extra=dict(tensor_parallel_size=4))  # the router would lay the weight group out for 1
 
 
 def test_without_vllm_the_engine_says_how_to_install_it():
