@@ -198,12 +198,19 @@ class Router:
         self.group = None  # the engines' incarnations when the weight-transport group was built ('broadcast')
         self.fetch_lock = asyncio.Lock()
         self.received = {}  # version -> the (slot, incarnation) of each engine that has it staged
+        self.readied = asyncio.Condition()  # notified when `apply` puts engines in the rotation
         self.backend, self.workers = backend, workers
 
     def __repr__(self):
         return f"Router(engines={len(self.engines)}, alive={sum(self.alive)}, inflight={self.inflight})"
 
 # %% ../nbs/16_router.ipynb #373e509d
+@patch
+def serving(self: Router) -> bool:
+    "Whether a live engine has the run's weights (a replacement has them once `apply` loaded it)"
+    return any(a and r for a, r in zip(self.alive, self.ready))
+
+
 @patch
 def pick(self: Router, session_id: str | None = None) -> int:
     "The slot a request goes to: its session's engine while that lives, else the least-loaded live one"
@@ -230,7 +237,11 @@ def pick(self: Router, session_id: str | None = None) -> int:
 async def generate(
     self: Router, token_ids, sampling: SamplingParams | None = None, session_id: str | None = None
 ) -> Generation:
-    "Sample on one engine; `EngineDied` if it dies meanwhile (the pool then runs the rollout again elsewhere)"
+    """Sample on one engine; `EngineDied` if it dies meanwhile (the pool then runs the rollout again elsewhere). While
+    every live engine is a replacement without the run's weights yet, it waits for the sync that loads them"""
+    if not self.serving():
+        async with self.readied:
+            await self.readied.wait_for(lambda: self.serving() or not any(self.alive))
     i = self.pick(session_id)
     incarnation = self.incarnation[i]
     self.inflight[i] += 1
@@ -262,10 +273,10 @@ async def each(self: Router, name: str, *args) -> list:
 
 
 @patch
-async def answers(self: Router, name: str, *args) -> list:
-    """`each`, as (slot, incarnation, result): the incarnation that answered, which a slot revived meanwhile (during
-    the await) no longer has"""
-    live = [(i, self.incarnation[i]) for i, a in enumerate(self.alive) if a]
+async def answers(self: Router, name: str, *args, slots=None) -> list:
+    """`each` (on the live engines of `slots`, if given), as (slot, incarnation, result): the incarnation that
+    answered, which a slot revived meanwhile (during the await) no longer has"""
+    live = [(i, self.incarnation[i]) for i, a in enumerate(self.alive) if a and (slots is None or i in slots)]
     if len(live) == 1:  # no task to gather: a call to an engine in this process then never yields to the loop
         out = [await capture(call(self.engines[live[0][0]], name, *args))]
     else:
@@ -412,10 +423,20 @@ async def broadcast(self: Router, trainer, version: int):
 
 @patch
 async def apply(self: Router, version: int):
-    "Put the staged weights of `version` in use in every live engine (pause them first to load between requests)"
-    await self.each('load_staged', version)
-    self.version, self.ready = version, [True] * len(self.engines)
+    """Put the staged weights of `version` in use in every live engine that received them (pause them first to load
+    between requests). One replaced since its fetch (the fetch of the next version, running meanwhile, revives a dead
+    engine) has nothing staged: it stays out of the rotation until a later `apply` loads it"""
+    if version not in self.received:
+        raise ValueError(f"apply({version}): no fetch of version {version} (fetched: {sorted(self.received)})")
+    have = self.received[version]
+    slots = [i for i, a in enumerate(self.alive) if a and (i, self.incarnation[i]) in have]
+    loaded = await self.answers('load_staged', version, slots=slots)
+    for i, incarnation, _ in loaded:
+        self.ready[i] = self.ready[i] or incarnation == self.incarnation[i]
+    self.version = version
     self.received = {v: s for v, s in self.received.items() if v > version}
+    async with self.readied:
+        self.readied.notify_all()
 
 
 @patch
