@@ -204,6 +204,10 @@ class ClusterConfig:
     # GPU) or 'auto' (broadcast to engine actors, the object store to an engine inside the orchestrator)
     transport: str = 'auto'
     device: str = 'cpu'  # 'cpu' or 'cuda', for the engines and the trainer ranks
+    # the Python of the engines' and of the trainer ranks' environment on the cluster ('' : the run's own). A GPU
+    # image has two (vLLM and NeMo AutoModel cannot share one): /opt/molt-rollout/bin/python, /opt/molt-trainer/...
+    rollout_python: str = ''
+    trainer_python: str = ''
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -214,6 +218,17 @@ class ClusterConfig:
             raise ValueError(
                 f"cluster.layout is {self.layout!r} with cluster.device='cpu': split and colocated place GPUs; use "
                 "layout 'single' on CPUs or device 'cuda'"
+            )
+        for role in ('rollout', 'trainer'):
+            python = getattr(self, f"{role}_python")
+            if python and not python.startswith('/'):
+                raise ValueError(
+                    f"cluster.{role}_python is {python!r}: give the absolute path of a python on the cluster"
+                )
+        if self.rollout_python and not self.engine_actors:
+            raise ValueError(
+                "cluster.rollout_python needs engines in their own processes (engines > 1, a 'split' or 'colocated' "
+                "layout, or device 'cuda'): one CPU engine runs inside the run's own process"
             )
         if self.layout == 'colocated' and self.weight_transport == 'broadcast':
             raise ValueError(

@@ -15,6 +15,7 @@ from .config import RunConfig, flatten_fields, load_config
 from .recipe import check_recipe
 from .swaps import Swap, SwapRejected, make_swap
 from .steering import ENDED, NAMESPACE, RunActor, one_line
+from .remote import check_cluster, ship
 
 # %% ../nbs/23_controller.ipynb #b0fd7b92
 def reload_ray_auth():
@@ -149,7 +150,7 @@ def _connect(address: str | None, token: str | None, temp_dir: str | None, num_c
         _check_token(address, source)
     _start(address, temp_dir, num_cpus)
     if cluster:
-        _check_molt_nb()
+        check_cluster()
 
 # %% ../nbs/23_controller.ipynb #7d51e2b8
 PING_SECONDS = 15  # how long connect waits for a cluster's Ray Client server to answer at all
@@ -237,26 +238,6 @@ def _ray_version() -> str:
     import ray
 
     return ray.__version__
-
-
-def _check_molt_nb():
-    "Raise if the cluster's workers import another molt_nb version than this kernel, or none"
-    import ray, molt_nb
-
-    def version():  # a local function travels by value, so a cluster without molt_nb can run it
-        try:
-            import molt_nb
-        except ImportError:
-            return None
-        return molt_nb.__version__
-
-    theirs = ray.get(ray.remote(num_cpus=0)(version).remote(), timeout=120)
-    if theirs != molt_nb.__version__:
-        raise RuntimeError(
-            f"the cluster's workers have molt_nb {theirs or '(not installed)'} and this kernel {molt_nb.__version__}: "
-            f"runs and swaps travel as pickled molt_nb objects, so install the same molt_nb on "
-            f"both sides (pip install molt-nb=={molt_nb.__version__} on every node, or the cluster's version here)"
-        )
 
 # %% ../nbs/23_controller.ipynb #84f28c38
 class Run:
@@ -394,6 +375,10 @@ def launch(
     from_checkpoint: bool = False,  # continue from the run store's latest checkpoint
     start: bool = True,  # begin the loop now (else call run.start())
     check: bool = True,  # check the recipe first (`check_recipe`: one train and one eval rollout, in seconds)
+    code: str | None = None,  # 'upload' the recipe with the run, or use its path on a 'shared' filesystem (default:
+    # 'upload' through Ray Client, whose cluster is elsewhere; 'shared' on a Ray this machine is part of)
+    store: str | None = None,  # the run store's path on the cluster (default: cfg.run_dir when shared, else
+    # ~/molt-runs/<name> on the head node)
 ) -> Run:
     "Start a run as a detached named actor that outlives this kernel"
     import ray
@@ -414,8 +399,10 @@ def launch(
             f"a run named {name!r} is already on this cluster: attach({name!r}) to it, or stop it first, or launch "
             "under another name"
         )
-    options = dict(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0)
-    actor = ray.remote(RunActor).options(**options).remote(cfg, name, from_checkpoint)
+    code = code or ('upload' if ray.util.client.ray.is_connected() else 'shared')
+    cfg, files, shipping = ship(cfg, name, code, store)
+    options = dict(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0, **shipping)
+    actor = ray.remote(RunActor).options(**options).remote(cfg, name, from_checkpoint, files=files)
     run = Run(name, actor)
     if start:
         run.start()

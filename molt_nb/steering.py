@@ -18,6 +18,7 @@ from .config import RunConfig
 from .loop import Collected, Orchestrator, StepBoundary, StepOutput, Trainer, TrainerGroup
 from .router import EngineActor
 from .placement import Placement, cluster_shape, plan
+from .remote import on_cluster
 from molt_nb.swaps import (
     CHECK_SECONDS,
     Swap,
@@ -388,8 +389,10 @@ def start_processes(cfg: RunConfig, name: str) -> tuple:
     placement = Placement(plan(shape, c.layout, c.engines, c.trainer_ranks, c.engine_gpus, c.device), shape, name)
 
     def options(role: str, index: int) -> dict:
-        # a trainer answers a weight sync while it trains the next step (two threads)
-        return placement.options(role, index) | (dict(max_concurrency=2) if role == 'trainer' else {})
+        # a trainer answers a weight sync while it trains the next step (two threads); each side in its environment
+        python = c.trainer_python if role == 'trainer' else c.rollout_python
+        env = dict(runtime_env=dict(py_executable=python)) if python else {}
+        return placement.options(role, index) | (dict(max_concurrency=2) if role == 'trainer' else {}) | env
 
     if c.trainer_ranks > 1:
         named = lambda rank: dict(name=f"{name}/trainer/{rank}", namespace=NAMESPACE)
@@ -430,7 +433,9 @@ class RunActor:
         name: str | None = None,  # the run's name (default: its run directory's)
         from_checkpoint: bool = False,  # continue from the run store's latest checkpoint
         trainer=None,  # a `Trainer`; None starts the run's processes as Ray actors (`start_processes`)
+        files: bytes | None = None,  # the recipe's files, when they travelled with the launch (`molt_nb.remote.ship`)
     ):
+        cfg = on_cluster(cfg, files)  # an uploaded recipe is unpacked into the run store
         self.name = name or Path(cfg.run_dir).name
         make_engine, self.placement = None, None
         if trainer is None:

@@ -70,3 +70,30 @@ def test_engine_killed_mid_run(ray_local):
     assert m['failure_rate'].max() == 0
     back = m[m['engine/restarts'] == 1].iloc[1:]  # the steps after the one whose sync replaced it
     assert back['engine/0/requests'].sum() > 0  # the new engine in slot 0 serves
+
+
+def test_each_side_runs_in_its_own_python(ray_local, tmp_path):
+    """cluster.rollout_python and cluster.trainer_python start the engines and the trainer ranks from their own
+    environments (a GPU image has two: vLLM and NeMo AutoModel cannot share one); the run's own actor stays in Ray's"""
+    import sys
+    import ray
+    from molt_nb.controller import launch
+    from molt_nb.steering import NAMESPACE
+
+    pythons = {}
+    for role in ('rollout', 'trainer'):
+        pythons[role] = tmp_path / f"{role}-python"
+        pythons[role].write_text(f'#!/bin/sh\nexport MOLT_SIDE={role}\nexec {sys.executable} "$@"\n')
+        pythons[role].chmod(0o755)
+    overrides = [f'cluster.{role}_python="{path}"' for role, path in pythons.items()]
+    cfg = parity('loop.steps=1000', 'cluster.engines=2', 'cluster.trainer_ranks=2', *overrides)
+    run = launch(cfg, name='cluster-sides', check=False)
+    try:
+        run.wait(until_step=1, timeout=300)
+        names = ['cluster-sides', 'cluster-sides/engine/0.0', 'cluster-sides/engine/1.0', 'cluster-sides/trainer/0']
+        names.append('cluster-sides/trainer/1')
+        side = lambda self: __import__('os').environ.get('MOLT_SIDE')  # noqa: E731 (a lambda travels by value)
+        got = [ray.get(ray.get_actor(n, namespace=NAMESPACE).__ray_call__.remote(side), timeout=60) for n in names]
+    finally:
+        run.kill()
+    assert got == [None, 'rollout', 'rollout', 'trainer', 'trainer'], got

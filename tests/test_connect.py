@@ -2,16 +2,16 @@
 token-auth `ray start --head` through Ray Client with only the address and the token, wherever the token comes from and
 whatever was imported first; a wrong or stale token, or a version mismatch, is an error that says so within seconds."""
 
-import json, os, subprocess, sys, tempfile, textwrap, uuid
+import contextlib, json, os, subprocess, sys, tempfile, textwrap, uuid
 from pathlib import Path
 import psutil, pytest
 from test_controller import RAY, ROOT, free_port, session_processes, stop_session
 
 
-@pytest.fixture(scope='module')
-def head(tmp_path_factory):
-    """A token-auth Ray head on 127.0.0.1 only, free ports, its own temp dir; yields (address, token, the session's
-    marks)"""
+@contextlib.contextmanager
+def token_head(home: Path, cwd: Path | None = None, cpus: int = 1, **extra):
+    """A token-auth Ray head on 127.0.0.1 only, free ports, its own temp dir, HOME `home`, started in `cwd` with
+    `extra` in its environment (its workers inherit both); yields (address, token, the session's marks)"""
     temp_dir = tempfile.mkdtemp(prefix='molt-cn-')  # short: Ray's socket paths must fit in 107 bytes
     token, gcs_port, client_port = uuid.uuid4().hex, free_port(), free_port()
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps --node-ip-address=127.0.0.1 (ray start otherwise swaps in the
@@ -21,7 +21,8 @@ def head(tmp_path_factory):
         RAY_AUTH_TOKEN=token,
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0',
         RAY_USAGE_STATS_ENABLED='0',
-        HOME=str(tmp_path_factory.mktemp('head-home')),
+        HOME=str(home),
+        **extra,
     )
     ports = [
         f'--{flag}={free_port()}'
@@ -42,30 +43,36 @@ def head(tmp_path_factory):
         f'--port={gcs_port}',
         f'--ray-client-server-port={client_port}',
         *ports,
-        '--num-cpus=1',
+        f'--num-cpus={cpus}',
         f'--temp-dir={temp_dir}',
         '--include-dashboard=false',
         '--disable-usage-stats',
     ]
     marks = [temp_dir, f"127.0.0.1:{gcs_port}"]
     for attempt in range(3):  # Ray waits a fixed 30 s for its raylet, which a loaded 2-core machine can miss
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
         if out.returncode == 0 or 'timed out during startup' not in out.stderr:
             break
         stop_session(marks)
     try:
         assert out.returncode == 0, out.stderr[-3000:]
-        address = f"ray://127.0.0.1:{client_port}"
-        # one client first, untimed: on a head just started, the proxy's first per-client server sometimes exits at once
-        # (no log) and the proxy waits out its 30 s channel timeout before the client's retry gets a working one (Ray's
-        # side, seen in 2 of 4 runs here); the tests below time what a kernel meets on a head that is up
-        kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path_factory.mktemp('warm-up'))
-        yield address, token, marks
+        yield f"ray://127.0.0.1:{client_port}", token, marks
     finally:
         stop_session(marks)
 
 
-def kernel(code: str, home: Path, **env) -> dict:
+@pytest.fixture(scope='module')
+def head(tmp_path_factory):
+    "A token-auth head (`token_head`), warmed up by one client"
+    with token_head(tmp_path_factory.mktemp('head-home')) as (address, token, marks):
+        # one client first, untimed: on a head just started, the proxy's first per-client server sometimes exits at
+        # once (no log) and the proxy waits out its 30 s channel timeout before the client's retry gets a working one
+        # (Ray's side, seen in 2 of 4 runs here); the tests below time what a kernel meets on a head that is up
+        kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path_factory.mktemp('warm-up'))
+        yield address, token, marks
+
+
+def kernel(code: str, home: Path, cwd: Path = ROOT, **env) -> dict:
     """Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test
     writes one)"""
     clean = (
@@ -77,7 +84,7 @@ def kernel(code: str, home: Path, **env) -> dict:
     p = subprocess.run(
         [sys.executable, '-c', prelude + textwrap.dedent(code)],
         env=clean,
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=240,

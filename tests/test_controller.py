@@ -137,7 +137,7 @@ from molt_nb.controller import connect, launch
 connect({address!r})
 overrides = ['loop.steps=100000', 'loop.mode="async"', 'rollout.groups_in_flight=8', 'loop.eval_tasks=8']
 cfg = load_config({recipe!r}, [*overrides, 'run_dir="{run_dir}"'])
-run = launch(cfg, name='ctl')
+run = launch(cfg, name='ctl', store=cfg.run_dir)  # through Ray Client the recipe is uploaded; the store is here
 run.wait(until_step=2, timeout=300)
 print('launched', flush=True)
 time.sleep(3600)  # the test kills this driver while the run steps
@@ -305,7 +305,7 @@ def until(pred, what, timeout=300):
 def named():
     return {{a['name'] for a in ray.util.list_named_actors(all_namespaces=True)}}
 
-run = launch(cfg, name='res')
+run = launch(cfg, name='res', store=cfg.run_dir)
 run.wait(until_step=1, timeout=300)
 run.set_estimator(quarter)
 run.set_reward(plus_ten)
@@ -313,7 +313,8 @@ until(lambda: run.swaps().step.notna().all(), 'both swaps took effect')
 ckpt = json.loads((Path(run.checkpoint()) / 'state.json').read_text())['step']
 run.kill()  # orchestrator and trainer: their processes die with what they had registered
 until(lambda: not {{'res', 'res/trainer'}} & named(), 'the killed actors released their names')
-run = launch(cfg, name='res', from_checkpoint=True)  # fresh actors, given the config the run was launched with (grpo)
+# fresh actors, given the config the run was launched with (grpo)
+run = launch(cfg, name='res', from_checkpoint=True, store=cfg.run_dir)
 run.wait(until_step=ckpt + 2, timeout=300)
 m = run.metrics()
 m = m[m.step > ckpt]

@@ -1,0 +1,63 @@
+"""The kernel and a cluster that is not its machine (issue 20): `connect` names what differs from a head whose molt_nb
+is another, and `launch` runs a recipe on a head started in another directory, with another home, after the
+kernel's copy of the recipe is gone: the recipe travels with the run, the run store lives on the cluster, and the
+dashboard reads it through the run."""
+
+import shutil
+from test_connect import kernel, token_head
+from test_controller import PARITY, ROOT
+
+
+def test_connect_names_both_molt_nb_versions(tmp_path):
+    "A head whose workers import another molt_nb: connect refuses, naming both versions and the node"
+    other = tmp_path / 'site'
+    shutil.copytree(ROOT / 'molt_nb', other / 'molt_nb', ignore=shutil.ignore_patterns('__pycache__'))
+    init = other / 'molt_nb' / '__init__.py'
+    init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.9+other-'))
+    with token_head(tmp_path / 'home', PYTHONPATH=str(other)) as (address, token, _):
+        out = kernel(
+            f"import molt_nb\nprint(json.dumps(dict(mine=molt_nb.__version__, got=attempt({address!r}, "
+            f"token={token!r}))))",
+            tmp_path,
+        )
+    mine, error = out['mine'], out['got'].get('error', '')
+    assert f"molt_nb {mine} here, 9.9.9+other-{mine} on node 127.0.0.1" in error, out
+    assert 'install the same molt_nb' in error, error
+
+
+LAUNCH = '''
+import shutil
+from molt_nb.config import load_config
+from molt_nb.controller import launch
+from molt_nb.widgets import Dashboard
+recipe = shutil.copytree({parity!r}, 'recipes/parity')  # the notebook's own copy, relative to its directory
+cfg = load_config('recipes/parity', ['loop.steps=3', 'loop.eval_tasks=8', 'rollout.groups_per_step=2'])
+connect({address!r}, token={token!r})
+run = launch(cfg, name='elsewhere')
+shutil.rmtree('recipes')  # gone from here: the run can only use what travelled with it
+st = run.wait(timeout=400)
+dash = Dashboard(run, live=False)
+out = dict(state=st['state'], reason=st.get('reason'), steps=[int(s) for s in run.metrics().step],
+           shown=[int(s) for s in dash.metrics.step], store=run.config()['run_dir'],
+           recipe=run.config()['recipe'], here=sorted(str(p) for p in Path('.').rglob('*')))
+run.kill()
+print(json.dumps(out))
+'''
+
+
+def test_launch_on_a_head_elsewhere_runs_the_recipe_it_sent(tmp_path):
+    """The head runs in its own directory with its own home; the kernel in another, with a relative recipe path that
+    does not exist on the head and is deleted once launched: the run ends, its store is under the head's home"""
+    (tmp_path / 'head').mkdir()
+    (tmp_path / 'kernel').mkdir()
+    home = tmp_path / 'head-home'
+    with token_head(home, cwd=tmp_path / 'head', cpus=2) as (address, token, _):
+        code = 'from pathlib import Path\n' + LAUNCH.format(parity=str(PARITY), address=address, token=token)
+        out = kernel(code, tmp_path / 'kernel-home', cwd=tmp_path / 'kernel')
+    assert out['state'] == 'finished', out
+    assert out['steps'] == [0, 1, 2, 3] and out['shown'] == out['steps'], out
+    assert out['store'] == str(home / 'molt-runs' / 'elsewhere'), out
+    assert (home / 'molt-runs' / 'elsewhere' / 'metrics.parquet').is_file()
+    assert out['here'] == [], out  # nothing was written on the kernel's side
+    assert out['recipe'] == str(home / 'molt-runs' / 'elsewhere' / 'recipe'), out  # the code that ran, kept
+    assert (home / 'molt-runs' / 'elsewhere' / 'recipe' / 'agent.py').read_text() == (PARITY / 'agent.py').read_text()
