@@ -211,6 +211,11 @@ def test_slurm_launcher_starts_a_two_node_cluster_with_token_auth(tmp_path, unsh
         heads = [c for c in procs if '--head' in c]
         assert len(heads) == 1 and len(procs) == 2, list(procs)
         assert '--dashboard-host=127.0.0.1' in heads[0] and '--num-gpus=8' in heads[0], heads[0]
+        # the dashboard Ray started binds loopback only (this venv's minimal Ray serves no HTTP, so read its flags)
+        dashboard = [
+            cmdline(p) for p in session_processes([temp_dir]) if 'dashboard/dashboard.py' in ' '.join(cmdline(p))
+        ]
+        assert len(dashboard) == 1 and '--host=127.0.0.1' in dashboard[0], dashboard
         for p in procs.values():
             environ = p.environ()
             assert environ.get('RAY_AUTH_MODE') == 'token', environ
@@ -224,9 +229,172 @@ def test_slurm_launcher_starts_a_two_node_cluster_with_token_auth(tmp_path, unsh
         assert launcher.wait(timeout=90) == 0, log.read_text()[-4000:]
         assert (tmp_path / 'ray_address').read_text() == '127.0.0.1:6379'
         left = session_processes([temp_dir])
-        assert not left, f"the launcher left processes behind: {[p.cmdline() for p in left]}"
+        assert not left, f"the launcher left processes behind: {[cmdline(p)[:4] for p in left]}"
     finally:
         if launcher.poll() is None:
             launcher.kill()
         stop_session([temp_dir])
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The image, the cluster-launcher YAML and the KubeRay manifest
+
+DOCKERFILE = CLUSTER / 'Dockerfile'
+# venv -> (its constraints file, the extra it installs): cluster/README.md, "Installing on a GPU image"
+ENVIRONMENTS = {
+    '/opt/molt-rollout': ('cluster/constraints-gpu-vllm.txt', 'vllm'),
+    '/opt/molt-trainer': ('cluster/constraints-gpu-automodel.txt', 'automodel'),
+}
+PIP_INSTALL = re.compile(r"(/opt/[\w-]+)/bin/pip install (?:--no-cache-dir )?-c (\S+) -e '\.\[(\w+)\]'")
+
+
+def load_yaml(name: str):
+    import yaml
+
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def dockerfile_lines() -> list:
+    "The Dockerfile's instructions, continuation lines joined, comments dropped"
+    text = re.sub(r'\\\n', ' ', DOCKERFILE.read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith('#')]
+
+
+def image() -> str:
+    "The name the Dockerfile says the image is published under"
+    labels = [m for line in dockerfile_lines() for m in re.findall(r'io\.molt-nb\.image="([^"]+)"', line)]
+    assert len(labels) == 1, labels
+    return labels[0]
+
+
+def constraint_pins(rel: str) -> dict:
+    from test_install import pins
+
+    return pins(ROOT / rel)
+
+
+def test_dockerfile_passes_hadolint():
+    out = subprocess.run(
+        [tool('hadolint'), '--failure-threshold', 'warning', str(DOCKERFILE)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    # rules switched off: only DL3008 (apt pins), with the reason in the comment above it
+    lines = DOCKERFILE.read_text().splitlines()
+    ignores = [(i, line) for i, line in enumerate(lines) if 'hadolint ignore=' in line]
+    assert [line.split('=', 1)[1] for _, line in ignores] == ['DL3008'], ignores
+    assert all('pin' in lines[i - 3] + lines[i - 2] + lines[i - 1] for i, _ in ignores), ignores
+
+
+def test_dockerfile_installs_exactly_the_constraints_files_pins():
+    from packaging.utils import canonicalize_name
+
+    lines = dockerfile_lines()
+    base = next(line.split()[1] for line in lines if line.startswith('FROM '))
+    assert re.match(r'nvidia/cuda:13\.\d+\.\d+-.*ubuntu24\.04$', base), base  # CUDA 13; Ubuntu 24.04's Python 3.12
+    run = ' '.join(line for line in lines if line.startswith('RUN '))
+    assert set(re.findall(r'python3\.(\d+)', run)) == {'12'}, re.findall(r'python3\.\d+', run)
+    installs = PIP_INSTALL.findall(run)
+    assert {venv: (c, extra) for venv, c, extra in installs} == ENVIRONMENTS and len(installs) == 2, installs
+    assert run.count(' -c cluster/') == 2 and run.count('pip install') == 2, 'each pip install: one constraints file'
+    assert all(f'python3.12 -m venv {venv}' in run for venv in ENVIRONMENTS)
+    copied = ' '.join(line for line in lines if line.startswith('COPY '))
+    assert all(c in copied for c, _ in ENVIRONMENTS.values()), copied
+    # a version the Dockerfile names itself is the pin of every constraints file
+    both = [constraint_pins(c) for c, _ in ENVIRONMENTS.values()]
+    named = re.findall(r'([A-Za-z0-9][\w.-]*)==([\w.+!-]+)', ' '.join(lines))
+    bad = [f'{n}=={v}' for n, v in named if any(p.get(canonicalize_name(n)) != v for p in both)]
+    assert not bad, f'pins in cluster/Dockerfile that differ from the constraints files: {bad}'
+    assert f'PATH="{next(iter(ENVIRONMENTS))}/bin:' in ' '.join(lines)  # Ray starts from the rollout environment
+
+
+def test_one_image_everywhere():
+    "The Dockerfile's published name is the image of the cluster-launcher YAML and of every KubeRay container"
+    import molt_nb
+
+    name = image()
+    assert re.fullmatch(rf'ghcr\.io/molt-nb/molt-nb-gpu:{re.escape(molt_nb.__version__)}-cu130-py312', name), name
+    assert load_yaml('ray-cluster.yaml')['docker']['image'] == name
+    spec = load_yaml('kuberay.yaml')['spec']
+    groups = [spec['headGroupSpec'], *spec['workerGroupSpecs']]
+    images = [c['image'] for g in groups for c in g['template']['spec']['containers']]
+    assert images and set(images) == {name}, images
+    assert f'-t {name} .' in DOCKERFILE.read_text()  # the build command shown in the Dockerfile
+
+
+@pytest.mark.parametrize('name', ['ray-cluster.yaml', 'kuberay.yaml'])
+def test_yaml_passes_yamllint(name):
+    out = subprocess.run(
+        [tool('yamllint'), '--strict', '-c', str(CLUSTER / '.yamllint.yaml'), str(CLUSTER / name)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_cluster_yaml_passes_rays_own_checks():
+    "What `ray up` runs before it touches a machine: prepare_config (defaults merged in) and validate_config"
+    import copy, jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load_yaml('ray-cluster.yaml')
+    validate_config(prepare_config(copy.deepcopy(config)))
+    broken = copy.deepcopy(config)
+    broken['docker']['run_option'] = broken['docker'].pop('run_options')  # the check is live: a misspelt key
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))
+
+
+def test_cluster_yaml_starts_ray_with_a_token_a_loopback_dashboard_and_8_gpus_a_node():
+    from ray.autoscaler._private.util import prepare_config
+
+    config = prepare_config(load_yaml('ray-cluster.yaml'))  # with the defaults `ray up` would merge in
+    head, worker = config['head_start_ray_commands'], config['worker_start_ray_commands']
+    commands = (
+        head + worker + config['setup_commands'] + config['head_setup_commands'] + config['worker_setup_commands']
+    )
+    assert not [c for c in commands if 'ray stop' in c], 'never `ray stop`: it ends every Ray on the machine'
+    token_path = next(dest for dest, src in config['file_mounts'].items() if src.endswith('auth_token'))
+    for c in head + worker:
+        assert 'RAY_AUTH_MODE=token' in c and f'RAY_AUTH_TOKEN_PATH={token_path}' in c, c
+        assert '--num-gpus=8' in c and 'dashboard-host=0.0.0.0' not in c, c
+    assert len(head) == 1 and '--dashboard-host=127.0.0.1' in head[0], head
+    nodes = 1 + len(config['provider']['worker_ips'])
+    assert nodes == 2 and config['max_workers'] == 1, '2 x 8 GPUs: the head and one worker'
+    installs = PIP_INSTALL.findall(' '.join(config['setup_commands']))
+    assert {venv: (c, extra) for venv, c, extra in installs} == ENVIRONMENTS and len(installs) == 2, installs
+    assert '--gpus all' in config['docker']['run_options']
+
+
+def test_kuberay_manifest_has_token_auth_a_loopback_dashboard_and_consistent_gpus():
+    manifest = load_yaml('kuberay.yaml')
+    assert (manifest['apiVersion'], manifest['kind']) == ('ray.io/v1', 'RayCluster')
+    spec = manifest['spec']
+    assert spec['authOptions'] == {'mode': 'token'}, spec['authOptions']  # the operator makes the Secret
+    assert {spec['rayVersion']} == {constraint_pins(c)['ray'] for c, _ in ENVIRONMENTS.values()}
+    head, workers = spec['headGroupSpec'], spec['workerGroupSpecs']
+    # KubeRay sets dashboard-host to 0.0.0.0 when the head's rayStartParams leave it out
+    assert head['rayStartParams'].get('dashboard-host') == '127.0.0.1', head['rayStartParams']
+
+    def strings(x):
+        if isinstance(x, dict):
+            return [s for k, v in x.items() for s in strings(k) + strings(v)]
+        if isinstance(x, list):
+            return [s for v in x for s in strings(v)]
+        return [str(x)]
+
+    assert not [s for s in strings(manifest) if '0.0.0.0' in s]
+    total = 0
+    for group in [head, *workers]:
+        gpus = int(group['rayStartParams'].get('num-gpus', 0))
+        for c in group['template']['spec']['containers']:
+            res = c['resources']
+            assert int(res['limits'].get('nvidia.com/gpu', 0)) == gpus, (group.get('groupName', 'head'), res)
+            assert res['requests'].get('nvidia.com/gpu') == res['limits'].get('nvidia.com/gpu'), res
+            assert all(e.get('value', 'token') == 'token' for e in c.get('env', []) if e['name'] == 'RAY_AUTH_MODE')
+        if gpus:
+            shm = [m for c in group['template']['spec']['containers'] for m in c.get('volumeMounts', [])]
+            assert any(m['mountPath'] == '/dev/shm' for m in shm), 'a GPU pod needs a memory-backed /dev/shm'
+            assert group['minReplicas'] == group['replicas'] == group['maxReplicas']
+        total += gpus * group.get('replicas', 1)
+    assert int(head['rayStartParams']['num-gpus']) == 0 and total == 16, 'a CPU head and 2 x 8 GPU workers'
