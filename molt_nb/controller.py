@@ -108,7 +108,8 @@ def _no_token(address: str) -> str:
 
 def connect(
     address: str
-    | None = None,  # None: a private local Ray; 'auto'; 'ray://host:port' (Ray Client); or a GCS 'host:port'
+    | None = None,  # None: the cluster RAY_ADDRESS names, else a private local Ray; 'auto'; 'ray://host:port' (Ray
+    # Client); or a GCS 'host:port'
     token: str | None = None,  # the cluster's auth token (default: where Ray looks for one, see `auth_token_source`)
     temp_dir: str | None = None,
     num_cpus: int | None = None,  # for the local Ray only
@@ -116,6 +117,8 @@ def connect(
     "Connect this kernel to Ray (once); what it connected to"
     import ray
 
+    if address is None and os.environ.get('RAY_ADDRESS'):
+        address = 'auto'  # a driver on a cluster (the Slurm launcher's command, a Ray job): the cluster it names
     if not ray.is_initialized():
         # the token and the auth mode are set only while Ray reads them: afterwards Ray holds its own copies, and this
         # kernel's environment is as it was (no token inherited by `!commands`, subprocesses or a later local Ray)

@@ -83,8 +83,13 @@ SCONTROL = '''#!/bin/bash
 '''
 # the command the launcher runs once the cluster is up: it records its RAY_ADDRESS and lasts until the test releases it
 COMMAND = '''
-import os, pathlib, time
-pathlib.Path(os.environ['DONE']).with_name('ray_address').write_text(os.environ['RAY_ADDRESS'])
+import json, os, pathlib, time
+import ray
+from molt_nb.controller import connect
+connect()  # no address: the cluster the launcher names in RAY_ADDRESS, with the job's token
+seen = dict(address=os.environ['RAY_ADDRESS'], gpus=ray.cluster_resources().get('GPU'))
+ray.shutdown()
+pathlib.Path(os.environ['DONE']).with_name('ray_address').write_text(json.dumps(seen))
 while not os.path.exists(os.environ['DONE']):
     time.sleep(0.2)
 '''
@@ -227,7 +232,8 @@ def test_slurm_launcher_starts_a_two_node_cluster_with_token_auth(tmp_path, unsh
 
         done.write_text('')  # the command ends: the launcher stops its nodes and exits with the command's status
         assert launcher.wait(timeout=90) == 0, log.read_text()[-4000:]
-        assert (tmp_path / 'ray_address').read_text() == '127.0.0.1:6379'
+        # the command reached the cluster with connect() alone (as `molt-nb train` run by the launcher does)
+        assert json.loads((tmp_path / 'ray_address').read_text()) == dict(address='127.0.0.1:6379', gpus=16.0)
         left = session_processes([temp_dir])
         assert not left, f"the launcher left processes behind: {[cmdline(p)[:4] for p in left]}"
     finally:
