@@ -72,9 +72,9 @@ def head(tmp_path_factory):
         yield address, token, marks
 
 
-def kernel(code: str, home: Path, cwd: Path = ROOT, **env) -> dict:
+def kernel(code: str, home: Path, cwd: Path = ROOT, prefix: tuple = (), **env) -> dict:
     """Run `code` as a fresh kernel would: no RAY_* variable, HOME a temp dir (no ~/.ray/auth_token unless the test
-    writes one)"""
+    writes one), under `prefix` (e.g. nsenter into a network namespace); its last line of output is JSON"""
     clean = (
         {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
         | dict(HOME=str(home), PYTHONPATH=str(ROOT))
@@ -82,7 +82,7 @@ def kernel(code: str, home: Path, cwd: Path = ROOT, **env) -> dict:
     )
     prelude = 'import json, os, sys, time\nfrom molt_nb.controller import connect\n' + ATTEMPT
     p = subprocess.run(
-        [sys.executable, '-c', prelude + textwrap.dedent(code)],
+        [*prefix, sys.executable, '-c', prelude + textwrap.dedent(code)],
         env=clean,
         cwd=cwd,
         capture_output=True,

@@ -3,9 +3,10 @@ own Slurm code path (srun and scontrol replaced by shims that run each "node" on
 YAML, the KubeRay manifest and the Dockerfile hold the invariants the README promises (token auth, a loopback dashboard,
 consistent GPU counts, one image, the GPU constraints files' pins)."""
 
-import json, os, re, shutil, stat, subprocess, sys, tempfile, textwrap, time
+import json, os, re, shutil, stat, subprocess, sys, tempfile, time
 from pathlib import Path
 import psutil, pytest
+from test_connect import kernel
 from test_controller import ROOT, session_processes, stop_session
 
 CLUSTER = ROOT / 'cluster'
@@ -96,18 +97,8 @@ while not os.path.exists(os.environ['DONE']):
 
 
 def in_netns(pid: int, code: str, home: Path) -> dict:
-    """Run `code` in a fresh Python inside the network namespace of process `pid`, with no RAY_* variable and a HOME of
-    its own (as a new kernel would be); its last line of output is JSON"""
-    p = subprocess.run(
-        ['nsenter', f'--net=/proc/{pid}/ns/net', '--', sys.executable, '-c', textwrap.dedent(code)],
-        env=clean_env(HOME=str(home), PYTHONPATH=str(ROOT)),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    "`kernel(code)` (a fresh Python, no RAY_* variable, HOME `home`) inside the network namespace of process `pid`"
+    return kernel(code, home, prefix=('nsenter', f'--net=/proc/{pid}/ns/net', '--'))
 
 
 WITH_TOKEN = '''
