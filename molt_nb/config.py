@@ -522,7 +522,8 @@ def policy_is_moe(cfg: RunConfig) -> bool:
     if cfg.model.path is None:
         return cfg.model.num_experts > 0
     config = json.loads((local_checkpoint(cfg.model.path) / 'config.json').read_text())
-    return bool(config.get('num_experts') or config.get('n_routed_experts'))
+    # transformers 5 saves a Qwen3-MoE's expert count as num_local_experts (the hub's configs say num_experts)
+    return bool(config.get('num_experts') or config.get('num_local_experts') or config.get('n_routed_experts'))
 
 
 def _check_engine(cfg: RunConfig, r, loop_cfg):
