@@ -12,20 +12,19 @@ c. `throughput`: the same prompts and sampling through the project's path (the R
 d. `r3`: on a MoE policy, the experts vLLM routed each token to, replayed in the trainer's forward: the trainer's
    `routing/agreement` (the share of replayed top-k choices the forward used).
 
-The checks take their engine, trainer and engine factory as arguments (`Rig`): on a cluster they are the run's own
-`EngineActor`s (vLLM) and `Trainer` (AutoModel or FSDP2) as Ray actors on GPUs (`ray_rig`); the tests build the
-same pieces in this process on CPU, with the CI's stand-in for vLLM (tests/test_cluster_smoke.py), and break each
-one to see its check fail. It writes a JSON report (each figure, its goal, passed or not) and exits 1 if a check
-failed or raised.
+The checks take their engine, trainer and engine factory as arguments (`Rig`). `local_rig` builds them from the
+run's own pieces in one process: the loop's `Trainer`, a `Router` over an `EngineActor` (vLLM when
+`rollout.engine = "vllm"`), the weight sync of `cluster.transport`. The tests build exactly that on CPU over the CI's
+stand-in for vLLM (tests/test_cluster_smoke.py) and break each piece to see its check fail. The report is JSON
+(each figure, its goal, passed or not); the exit status is 1 if a check failed or raised.
 
-On the cluster (after cluster/README.md's launcher; models on the nodes' shared Hugging Face cache):
+    python cluster/smoke.py --dense Qwen/Qwen3-0.6B --moe Qwen/Qwen3-30B-A3B --report smoke.json
 
-    RAY_AUTH_MODE=token python cluster/smoke.py --address auto --dense Qwen/Qwen3-0.6B \\
-        --moe Qwen/Qwen3-30B-A3B --report smoke.json
-
-NOT RUN ON A GPU YET: the rig built from Ray actors (`ray_rig`) is written against the same calls the CPU rig makes,
-but no GPU has run it; the goals of check a are first guesses (reference/gpu-cluster.md, 3.4) to be recorded and
-tightened on the first run.
+NOT RUN ON A GPU YET, AND NOT YET A CLUSTER RIG: `main` builds `local_rig`, so the trainer and the vLLM engine share
+one process and, as written, the first visible GPU; an NCCL broadcast between two ranks on one GPU is refused, so on
+a GPU node check b needs a rig of Ray actors on separate GPUs (the same seams: `Trainer` and `EngineActor` as
+actors, `Router` in front), which is still to be written. The goals of check a are first guesses
+(reference/gpu-cluster.md, 3.4), to be recorded and tightened on the first run.
 """
 
 import argparse, asyncio, dataclasses, json, math, os, sys, tempfile, time
