@@ -15,7 +15,7 @@ from .models import TinyConfig, build_model
 from .engine import TorchEngine
 from .agents import load_agent, load_module, shown
 from .pool import traceback_of, within
-from .config import RunConfig, build_policy
+from .config import RunConfig, build_policy, local_checkpoint
 
 # %% ../nbs/18_recipe.ipynb #07156fc9
 @dataclass
@@ -23,7 +23,7 @@ class RecipeParts:
     "What a run takes from its recipe's agent module"
 
     runner: Any  # the module's AgentRunner(tokenizer, **agent_options)
-    train_tasks: list  # tasks('train') in the run's data order
+    train_tasks: list  # tasks('train', **task_options) in the run's data order
     eval_tasks: list  # the first loop.eval_tasks of tasks('eval')
     sampling: SamplingParams  # the rollout's sampling, stopping at the end token
 
@@ -32,10 +32,10 @@ class RecipeError(ValueError):
     "A recipe's agent module breaks the contract of recipes/README.md"
 
 
-def _task_list(tasks, split: str, where: str) -> list:
-    "`tasks(split)`, checked: a non-empty list of dicts"
+def _task_list(tasks, split: str, where: str, options: dict) -> list:
+    "`tasks(split, **options)`, checked: a non-empty list of dicts"
     try:
-        out = tasks(split)
+        out = tasks(split, **options)
     except Exception as e:
         raise RecipeError(
             f"tasks({split!r}) in {where} raised {type(e).__name__}: {e}; it must return the {split!r} tasks, a list "
@@ -59,14 +59,14 @@ def recipe_parts(cfg: RunConfig, tokenizer) -> RecipeParts:
             f"agent module {where} does not export tasks(split): add a function returning the 'train' and 'eval' task "
             "lists (see recipes/README.md)"
         )
-    train = _task_list(tasks, 'train', where)
+    train = _task_list(tasks, 'train', where, cfg.task_options)
     # a stream of its own (recipes may draw from Random(seed))
     random.Random(f"molt-data-order-{cfg.loop.seed}").shuffle(train)
     r = cfg.rollout
     return RecipeParts(
         runner,
         train,
-        _task_list(tasks, 'eval', where)[: cfg.loop.eval_tasks],
+        _task_list(tasks, 'eval', where, cfg.task_options)[: cfg.loop.eval_tasks],
         SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, stop_token_ids=[tokenizer.eos_token_id]),
     )
 
@@ -106,7 +106,10 @@ def _stand_in(cfg: RunConfig) -> tuple:
     checkpoint's tokenizer"""
     if cfg.model.path is None:
         return build_policy(cfg)
-    tok = transformers.AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(local_checkpoint(cfg.model.path), local_files_only=True)
+    except ValueError as e:
+        raise RecipeError(f"{e}; the recipe check needs the checkpoint's tokenizer where it runs") from None
     return build_model(TinyConfig(vocab_size=len(tok), max_position=32768), tok), tok
 
 # %% ../nbs/18_recipe.ipynb #31392835
