@@ -12,19 +12,20 @@ c. `throughput`: the same prompts and sampling through the project's path (the R
 d. `r3`: on a MoE policy, the experts vLLM routed each token to, replayed in the trainer's forward: the trainer's
    `routing/agreement` (the share of replayed top-k choices the forward used).
 
-The checks take their engine, trainer and engine factory as arguments (`Rig`). `local_rig` builds them from the
-run's own pieces in one process: the loop's `Trainer`, a `Router` over an `EngineActor` (vLLM when
-`rollout.engine = "vllm"`), the weight sync of `cluster.transport`. The tests build exactly that on CPU over the CI's
-stand-in for vLLM (tests/test_cluster_smoke.py) and break each piece to see its check fail. The report is JSON
-(each figure, its goal, passed or not); the exit status is 1 if a check failed or raised.
+The checks take their engine, trainer and engine factory as arguments (`Rig`), built by `build_rig` from the run's
+own pieces, the loop's `Trainer` and a `Router` over `EngineActor`s (vLLM when `rollout.engine = "vllm"`), with the
+weight sync of `cluster.transport`: `ray_rig` (the default) starts them as Ray actors placed by the run's own
+placement (`cluster.layout`: the trainer on its GPUs, engine 0 on others, the fresh engine of check b on others
+still), `local_rig` (`--local`) in this process. The tests run both on CPU (tests/test_cluster_smoke.py), the local
+one over the CI's stand-in for vLLM with each piece broken to see its check fail. The report is JSON (each figure,
+its goal, passed or not); the exit status is 1 if a check failed or raised.
 
-    python cluster/smoke.py --dense Qwen/Qwen3-0.6B --moe Qwen/Qwen3-30B-A3B --report smoke.json
+    # on the cluster, after cluster/slurm/ray-cluster.sh (or as its command), 2 x 8 GPUs:
+    python cluster/smoke.py --dense Qwen/Qwen3-8B --moe Qwen/Qwen3-30B-A3B --report smoke.json \
+        --weights /shared/smoke cluster.layout=\"split\" cluster.engine_gpus=1
 
-NOT RUN ON A GPU YET, AND NOT YET A CLUSTER RIG: `main` builds `local_rig`, so the trainer and the vLLM engine share
-one process and, as written, the first visible GPU; an NCCL broadcast between two ranks on one GPU is refused, so on
-a GPU node check b needs a rig of Ray actors on separate GPUs (the same seams: `Trainer` and `EngineActor` as
-actors, `Router` in front), which is still to be written. The goals of check a are first guesses
-(reference/gpu-cluster.md, 3.4), to be recorded and tightened on the first run.
+NOT RUN ON A GPU YET. The goals of check a are first guesses (reference/gpu-cluster.md, 3.4), to be recorded and
+tightened on the first run; `--weights` must be a directory every node sees (the trainer writes, an engine reads).
 """
 
 import argparse, asyncio, dataclasses, json, math, os, sys, tempfile, time
@@ -200,79 +201,140 @@ def write_report(report: dict, path: Path) -> int:
     return 0 if report['passed'] else 1
 
 
-# ------------------------------------------------------------------------------------------ the rig, in process
-def save_checkpoint(trainer, root: str) -> str:
-    "Inside the trainer: its current full weights as a Hugging Face checkpoint at `root` (a tied head left out)"
-    from molt_nb.config import build_policy
-    from molt_nb.models import save_policy
-
-    model, tok = build_policy(trainer.cfg)
-    missing, unexpected = model.load_state_dict(dict(trainer.actor.full_weights()), strict=False)
-    tied = {'lm_head.weight'} if model.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"the trainer's weights do not fit its policy: missing {missing}, unexpected {unexpected}")
-    save_policy(model, tok, root)
-    return root
+# ------------------------------------------------------------------------------------------------------ the rig
+from molt_nb.loop import Trainer  # noqa: E402
+from molt_nb.router import EngineActor, Router, call  # noqa: E402
 
 
-def raw_generator(vllm_engine) -> Callable:
-    "`raw_generate` straight on a `VLLMEngine`'s AsyncLLM: vLLM's own SamplingParams, no router, versions or routes"
-    from molt_nb.vllm_engine import import_vllm, sampling_kwargs
+class SmokeTrainer(Trainer):
+    "The loop's Trainer, and what the smoke asks of it besides: a recompute, and its weights saved as a checkpoint"
 
-    vllm, ids = import_vllm(), iter(range(10**9))
-    kind = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+    def logprobs(self, batch):
+        return self.actor.logprobs(batch)
 
-    async def raw_generate(token_ids: list, sampling: SamplingParams) -> int:
+    def save_checkpoint(self, root: str) -> str:
+        "Its current full weights as a Hugging Face checkpoint at `root` (a tied head left out)"
+        from molt_nb.config import build_policy
+        from molt_nb.models import save_policy
+
+        model, tok = build_policy(self.cfg)
+        missing, unexpected = model.load_state_dict(dict(self.actor.full_weights()), strict=False)
+        tied = {'lm_head.weight'} if model.config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"the trainer's weights do not fit its policy: missing {missing}, unexpected {unexpected}")
+        save_policy(model, tok, root)
+        return root
+
+
+class SmokeEngine(EngineActor):
+    "An engine of the run, and beside it the raw path check c compares it with: AsyncLLM (or the inner engine) alone"
+
+    async def raw_generate(self, token_ids: list, sampling: SamplingParams) -> int:
+        "Tokens sampled for `token_ids` by vLLM's AsyncLLM, with vLLM's own SamplingParams: no router, versions, routes"
+        if not hasattr(self.engine, 'llm'):  # the torch engine: its own generate, without the actor's wrapping
+            return len((await self.engine.generate(token_ids, sampling)).token_ids)
+        from molt_nb.vllm_engine import import_vllm, sampling_kwargs
+
+        vllm = import_vllm()
+        self.raw_requests = getattr(self, 'raw_requests', 0) + 1
+        kind = vllm.sampling_params.RequestOutputKind.FINAL_ONLY
         params = vllm.SamplingParams(**sampling_kwargs(sampling, None, kind))
         final = None
-        async for out in vllm_engine.llm.generate(
-            {'prompt_token_ids': token_ids}, params, request_id=f"raw-{next(ids)}"
+        async for out in self.engine.llm.generate(
+            {'prompt_token_ids': token_ids}, params, request_id=f"raw-{self.raw_requests}"
         ):
             final = out
         return len(final.outputs[0].token_ids)
 
-    return raw_generate
 
-
-def local_rig(cfg, moe_cfg=None, root: str | None = None) -> Rig:
-    """A rig of the run's own pieces in this process: the loop's `Trainer`, a `Router` over one `EngineActor` (vLLM
-    when `rollout.engine` is 'vllm'), weights over `cluster.transport` (a gloo or NCCL broadcast group)"""
+def build_rig(cfg, start: Callable, root: Path, moe: 'Rig | None' = None) -> Rig:
+    """A rig of the run's own pieces: `start(role, index, cls, cfg)` makes the trainer (role 'trainer') and engine
+    `index` (0: the router's, 1: the fresh one of check b) as objects in this process or as Ray actors; every call goes
+    through `molt_nb.router.call`, as the loop's do"""
     from molt_nb.config import policy_tokenizer
-    from molt_nb.loop import Trainer
-    from molt_nb.router import EngineActor, Router
 
-    trainer = Trainer(cfg)
+    trainer = start('trainer', 0, SmokeTrainer, cfg)
     vocab = policy_tokenizer(cfg)[1]
     backend = 'nccl' if cfg.cluster.device == 'cuda' else 'gloo'
-    router = Router(lambda i, incarnation: EngineActor(cfg, i), 1, vocab, backend=backend)
+    router = Router(lambda i, incarnation: start('engine', 0, SmokeEngine, cfg), 1, vocab, backend=backend)
     kind = cfg.cluster.weight_transport if cfg.cluster.transport != 'auto' else 'broadcast'
-    root = Path(root or tempfile.mkdtemp(prefix='molt-smoke-'))
+    local = not hasattr(trainer.train_step, 'remote')
 
-    def in_trainer(name, *args):  # a thread: a broadcast's sender blocks until the engines receive
-        return asyncio.to_thread(getattr(trainer, name), *args)
+    def in_trainer(name, *args):  # in this process, a thread: a broadcast's sender blocks until the engines receive
+        return asyncio.to_thread(getattr(trainer, name), *args) if local else call(trainer, name, *args)
 
     async def train_step(batch):
         out = await in_trainer('train_step', batch)
         return dict(version=out.version, metrics=out.metrics)
 
+    async def save():  # a new directory each time (under `root`, on the trainer's node)
+        return await in_trainer('save_checkpoint', str(root / f"weights-{time.time_ns()}"))
+
     async def fresh(path):
         moved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path)))
-        return Router(lambda i, incarnation: EngineActor(moved, 99), 1, vocab, backend=backend)
+        return Router(lambda i, incarnation: start('engine', 1, SmokeEngine, moved), 1, vocab, backend=backend)
 
-    engine = router.engines[0].engine
     return Rig(
         engine=router,
         vocab_size=vocab,
-        recompute=lambda batch: asyncio.to_thread(trainer.actor.logprobs, batch),
+        recompute=lambda batch: in_trainer('logprobs', batch),
         train_step=train_step,
         sync=lambda version: router.sync_weights(in_trainer, kind, version),
-        save=lambda: asyncio.to_thread(save_checkpoint, trainer, str(root / f"step{trainer.actor.version}")),
+        save=save,
         fresh=fresh,
-        raw_generate=raw_generator(engine) if hasattr(engine, 'llm') else None,
+        raw_generate=lambda ids, sampling: call(router.engines[0], 'raw_generate', ids, sampling),
         close_engine=lambda r: r.close(),
-        moe=None if moe_cfg is None else local_rig(moe_cfg, root=str(root / 'moe')),
+        moe=moe,
         parts=dict(trainer=trainer, router=router),
     )
+
+
+def local_rig(cfg, moe_cfg=None, root: str | None = None) -> Rig:
+    "A rig of the run's pieces in this process (the tests' rig: one process, so one device)"
+    root = Path(root or tempfile.mkdtemp(prefix='molt-smoke-'))
+
+    def start(role, index, cls, cfg_):
+        return cls(cfg_) if role == 'trainer' else cls(cfg_, 100 + index)
+
+    moe = None if moe_cfg is None else local_rig(moe_cfg, root=str(root / 'moe'))
+    return build_rig(cfg, start, root, moe)
+
+
+def ray_rig(cfg, moe_cfg=None, root: str | None = None, name: str = 'molt-smoke') -> Rig:
+    """A rig of Ray actors placed as `cfg.cluster` says (the run's own placement): the trainer on its GPUs, engine 0
+    on others, and the fresh engine of check b on others still. `root` is where the trainer saves the checkpoint the
+    fresh engine loads: a filesystem both nodes see"""
+    import ray
+    from molt_nb.placement import Placement, cluster_shape, plan
+    from molt_nb.steering import actor_options
+
+    c, shape = cfg.cluster, cluster_shape()
+    placement = Placement(plan(shape, c.layout, 2, 1, c.engine_gpus, c.device), shape, name)
+
+    def start(role, index, cls, cfg_):
+        options = actor_options(c, placement, role, index)
+        # vLLM reads it when an engine starts: an actor has Ray's environment, not this driver's
+        invariant = dict(VLLM_BATCH_INVARIANT=os.environ.get('VLLM_BATCH_INVARIANT', '1'))
+        options['runtime_env'] = options.get('runtime_env', {}) | dict(env_vars=invariant)
+        return ray.remote(cls).options(**options).remote(*((cfg_,) if role == 'trainer' else (cfg_, 100 + index)))
+
+    root = Path(root or Path.home() / '.molt-nb' / 'smoke')
+    moe = None if moe_cfg is None else ray_rig(moe_cfg, root=str(root / 'moe'), name=f"{name}-moe")
+    rig = build_rig(cfg, start, root, moe)
+    rig.parts['placement'] = placement
+    return rig
+
+
+def close_rig(rig: Rig):
+    "Stop the rig's engines, its trainer if an actor, and free its placement"
+    for r in (rig, rig.moe) if rig.moe else (rig,):
+        r.parts['router'].close()
+        if hasattr(r.parts['trainer'].train_step, 'remote'):
+            import ray
+
+            ray.kill(r.parts['trainer'])
+        if 'placement' in r.parts:
+            r.parts['placement'].remove()
 
 
 def smoke_config(model: str, device: str, overrides: list = ()):
@@ -298,13 +360,24 @@ def main(argv=None) -> int:
     ap.add_argument('--rows', type=int, default=32)
     ap.add_argument('--new', type=int, default=128, help='tokens sampled per prompt')
     ap.add_argument('--reps', type=int, default=3)
-    ap.add_argument('overrides', nargs='*', help='section.field=value for the smoke run config')
+    ap.add_argument('--local', action='store_true', help='every piece in this process (one GPU: no NCCL check b)')
+    ap.add_argument('--weights', help='where the trainer saves the weights check b loads (shared by the nodes)')
+    ap.add_argument('overrides', nargs='*', help='section.field=value for the smoke run config, e.g. its [cluster]')
     args = ap.parse_args(argv)
     os.environ.setdefault('VLLM_BATCH_INVARIANT', '1')  # read by vLLM when it starts (before any engine here)
     dense = smoke_config(args.dense, args.device, args.overrides)
     moe = smoke_config(args.moe, args.device, args.overrides) if args.moe else None
-    rig = local_rig(dense, moe)
-    report = asyncio.run(run_checks(rig, rows=args.rows, prompt_len=32, new=args.new, reps=args.reps))
+    if args.local:
+        rig = local_rig(dense, moe, root=args.weights)
+    else:
+        from molt_nb.controller import connect
+
+        connect()  # the cluster RAY_ADDRESS names (the launcher's command), with its token
+        rig = ray_rig(dense, moe, root=args.weights)
+    try:
+        report = asyncio.run(run_checks(rig, rows=args.rows, prompt_len=32, new=args.new, reps=args.reps))
+    finally:
+        close_rig(rig)
     report['config'] = dict(dense=args.dense, moe=args.moe, device=args.device, rows=args.rows, new=args.new)
     return write_report(report, Path(args.report))
 

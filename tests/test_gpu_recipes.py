@@ -3,7 +3,7 @@ placement on the reference cluster (2 x 8) or on one GPU is what its comments sa
 with the numbers, the verifier scores right, wrong and malformed answers, and the agent module's tasks come from a
 GSM8K-shaped JSONL (or, only when asked, from its synthetic set) and run one rollout on a tiny stand-in policy."""
 
-import dataclasses, json, os, subprocess, sys
+import dataclasses, json, os, re, subprocess, sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,6 +54,9 @@ def test_each_gpu_recipe_loads_and_validates_without_its_weights(name, no_checkp
     assert set(cfg.task_options) == {'data'}  # a real run reads GSM8K; the synthetic set is never the default
     text = (RECIPES / name / 'recipe.toml').read_text()
     assert 'ESTIMATES, NOT MEASUREMENTS' in text and 'Other shapes' in text
+    # vLLM and NeMo AutoModel cannot share an environment: each side starts from its venv in the image
+    venvs = re.findall(r'python3\.12 -m venv (\S+)', (ROOT / 'cluster' / 'Dockerfile').read_text())
+    assert (c.rollout_python, c.trainer_python) == tuple(f"{v}/bin/python" for v in venvs), venvs
 
 
 def test_a_hub_id_is_refused_where_a_check_must_read_its_config(tmp_path):
