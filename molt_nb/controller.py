@@ -15,7 +15,7 @@ from .config import RunConfig, flatten_fields, load_config
 from .recipe import check_recipe
 from .swaps import Swap, SwapRejected, make_swap
 from .steering import ENDED, NAMESPACE, RunActor, one_line
-from .remote import check_cluster, ship
+from .remote import check_cluster, check_on_cluster, ship
 
 # %% ../nbs/23_controller.ipynb #b0fd7b92
 def reload_ray_auth():
@@ -118,7 +118,7 @@ def connect(
     import ray
 
     if address is None and os.environ.get('RAY_ADDRESS'):
-        address = 'auto'  # a driver on a cluster (the Slurm launcher's command, a Ray job): the cluster it names
+        address = os.environ['RAY_ADDRESS']  # a driver on a cluster (the Slurm launcher's command, a Ray job)
     if not ray.is_initialized():
         # the token and the auth mode are set only while Ray reads them: afterwards Ray holds its own copies, and this
         # kernel's environment is as it was (no token inherited by `!commands`, subprocesses or a later local Ray)
@@ -387,8 +387,10 @@ def launch(
     import ray
 
     cfg = config if isinstance(config, RunConfig) else load_config(config)
-    # a broken recipe is named here, in seconds (a tiny stand-in model runs one rollout), not in the run's status later
-    if check:
+    code = code or ('upload' if ray.is_initialized() and ray.util.client.ray.is_connected() else 'shared')
+    # a broken recipe is named here, in seconds (a tiny stand-in model runs one rollout), not in the run's status later:
+    # before Ray is touched, or, for a recipe that travels, where the run will run (with the cluster's model and data)
+    if check and code == 'shared':
         check_recipe(cfg)
     if not ray.is_initialized():
         connect()
@@ -402,8 +404,9 @@ def launch(
             f"a run named {name!r} is already on this cluster: attach({name!r}) to it, or stop it first, or launch "
             "under another name"
         )
-    code = code or ('upload' if ray.util.client.ray.is_connected() else 'shared')
     cfg, files, shipping = ship(cfg, name, code, store)
+    if check and files is not None:
+        check_on_cluster(cfg, files, shipping)
     options = dict(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0, **shipping)
     actor = ray.remote(RunActor).options(**options).remote(cfg, name, from_checkpoint, files=files)
     run = Run(name, actor)

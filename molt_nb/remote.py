@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['NAMES', 'UPLOADED', 'CODES', 'MAX_UPLOAD', 'SKIP', 'identity', 'by_value', 'differences', 'cluster_identities',
-           'check_cluster', 'pack', 'unpack', 'ship', 'on_cluster']
+           'check_cluster', 'pack', 'unpack', 'ship', 'check_on_cluster', 'on_cluster']
 
 # %% ../nbs/22a_remote.ipynb #d79032ec
 import builtins, io, os, shutil, sys, tempfile, types, zipfile
@@ -25,7 +25,7 @@ def identity() -> dict:
     except ImportError:
         return out
     root, h = Path(molt_nb.__file__).parent, hashlib.sha256()
-    for p in sorted(root.rglob('*.py')):
+    for p in sorted(root.glob('*.py')):  # its modules (not an editor's copies in hidden folders)
         h.update(str(p.relative_to(root)).encode() + b'\0' + p.read_bytes())
     return out | dict(molt_nb=molt_nb.__version__, source=h.hexdigest()[:12])
 
@@ -81,13 +81,16 @@ MAX_UPLOAD = 64 * 2**20  # the most bytes of a recipe that travel with a launch
 SKIP = {'__pycache__', '.ipynb_checkpoints', '.git'}  # folders never sent
 
 
-def pack(directory) -> bytes:
-    "The files under `directory` as a zip (without caches and .git), refused past `MAX_UPLOAD` bytes"
+def pack(directory, extra: dict | None = None) -> bytes:
+    """The files under `directory` (without caches and .git), and `extra` ({name in the zip: path}), as a zip refused
+    past `MAX_UPLOAD` bytes"""
     root, out = Path(directory), io.BytesIO()
     with zipfile.ZipFile(out, 'w', zipfile.ZIP_DEFLATED) as z:
         for p in sorted(root.rglob('*')):
             if p.is_file() and not SKIP.intersection(p.relative_to(root).parts) and p.suffix != '.pyc':
                 z.write(p, p.relative_to(root).as_posix())
+        for name, p in (extra or {}).items():
+            z.write(p, name)
     if out.tell() > MAX_UPLOAD:
         raise ValueError(
             f"recipe {str(root)!r} is {out.tell() / 2**20:.0f} MiB zipped, over the {MAX_UPLOAD // 2**20} MiB a launch "
@@ -102,9 +105,12 @@ def unpack(data: bytes, directory) -> str:
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     fresh = Path(tempfile.mkdtemp(dir=directory.parent, prefix='.recipe-'))
-    zipfile.ZipFile(io.BytesIO(data)).extractall(fresh)
-    shutil.rmtree(directory, ignore_errors=True)
-    fresh.rename(directory)  # the old recipe, if any, is gone; the new one appears whole
+    zipfile.ZipFile(io.BytesIO(data)).extractall(fresh)  # (extractall keeps every name inside `fresh`)
+    old = directory.with_name(f"{fresh.name}-old")
+    if directory.exists():
+        directory.rename(old)  # set aside first: the new recipe then appears whole, under its name
+    fresh.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
     return str(directory)
 
 # %% ../nbs/22a_remote.ipynb #edd293ba
@@ -116,10 +122,33 @@ def ship(cfg: RunConfig, name: str, code: str, store: str | None = None) -> tupl
             f"code={code!r}: 'upload' sends the recipe with the run (a cluster that cannot see this machine's files), "
             "'shared' uses its paths as they are (one machine, or a filesystem the cluster shares)"
         )
+    if store is not None and not store.startswith(('/', '~')):
+        raise ValueError(f"store={store!r}: give an absolute path on the cluster (or one under ~, its home there)")
     if code == 'shared':
         return replace(cfg, run_dir=store or cfg.run_dir), None, {}
-    cluster_cfg = replace(cfg, recipe=UPLOADED, run_dir=store or f"~/molt-runs/{name}")
-    return cluster_cfg, pack(cfg.recipe), dict(resources={'node:__internal_head__': 0.001})
+    agent, root = Path(cfg.agent_path).resolve(), Path(cfg.recipe).resolve()
+    # an agent module outside the recipe (a sibling recipe's) travels beside it, under _agent/
+    extra = {} if agent.is_relative_to(root) else {f"_agent/{agent.name}": agent}
+    cluster_cfg = replace(
+        cfg, recipe=UPLOADED, agent=next(iter(extra), cfg.agent), run_dir=store or f"~/molt-runs/{name}"
+    )
+    return cluster_cfg, pack(cfg.recipe, extra), dict(resources={'node:__internal_head__': 0.001})
+
+
+def check_on_cluster(cfg: RunConfig, files: bytes, options: dict):
+    """`check_recipe` where the run will run (`options`), on the files that travel with it, with the cluster's model
+    cache and data; its error raised here"""
+    import ray
+    from molt_nb.recipe import check_recipe
+
+    def check(cfg, files):
+        with tempfile.TemporaryDirectory() as tmp:
+            check_recipe(on_cluster(replace(cfg, run_dir=tmp), files))
+
+    try:
+        ray.get(ray.remote(num_cpus=0, **options)(check).remote(cfg, files))
+    except ray.exceptions.RayTaskError as e:
+        raise e.cause from None  # the recipe's own error (a RecipeError naming what to fix), not Ray's wrapping
 
 
 def on_cluster(cfg: RunConfig, files: bytes | None = None) -> RunConfig:

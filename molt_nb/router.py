@@ -402,13 +402,14 @@ def missing(self: Router, version: int) -> list:
 @patch
 async def broadcast(self: Router, trainer, version: int):
     """Broadcast the weights of `version` from the trainer to every live engine; the manifest and the engines'
-    `answers`. An engine found dead first is replaced (the group is rebuilt); one that dies during the broadcast fails
-    it (a peer gone resets the connections, or the others wait `TRANSPORT_TIMEOUT_S`), and it runs once more without
-    it"""
+    `answers`. An engine found dead first is left out (the group is rebuilt without it); one that dies during the
+    broadcast fails it (a peer gone resets the connections, or the others wait `TRANSPORT_TIMEOUT_S`), and it runs
+    once more without it. A dead engine is replaced only by the loop's sync (`revive`, then a fetch for it, then
+    `apply`): a fetch runs while the engines decode, and a replacement made here would have no weights to decode with
+    until that sync, which may wait for the very rollouts it would hold up"""
     for attempt in (0, 1):
         deaths = self.counters['deaths']
         await self.each('stats')  # an engine that died since its last request is found here
-        await self.revive()
         await self.join(trainer)
         manifest = await trainer('weight_manifest', version)
         try:
@@ -424,8 +425,8 @@ async def broadcast(self: Router, trainer, version: int):
 @patch
 async def apply(self: Router, version: int):
     """Put the staged weights of `version` in use in every live engine that received them (pause them first to load
-    between requests). One replaced since its fetch (the fetch of the next version, running meanwhile, revives a dead
-    engine) has nothing staged: it stays out of the rotation until a later `apply` loads it"""
+    between requests). One replaced since its fetch has nothing staged: it stays out of the rotation until a later
+    `apply` loads it (the loop's sync fetches for it first: `missing`)"""
     if version not in self.received:
         raise ValueError(f"apply({version}): no fetch of version {version} (fetched: {sorted(self.received)})")
     have = self.received[version]

@@ -3,7 +3,8 @@ is another, and `launch` runs a recipe on a head started in another directory, w
 kernel's copy of the recipe is gone: the recipe travels with the run, the run store lives on the cluster, and the
 dashboard reads it through the run."""
 
-import shutil
+import dataclasses, shutil
+import pytest
 from test_connect import kernel, token_head
 from test_controller import PARITY, ROOT
 
@@ -33,11 +34,18 @@ from molt_nb.widgets import Dashboard
 recipe = shutil.copytree({parity!r}, 'recipes/parity')  # the notebook's own copy, relative to its directory
 cfg = load_config('recipes/parity', ['loop.steps=3', 'loop.eval_tasks=8', 'rollout.groups_per_step=2'])
 connect({address!r}, token={token!r})
+broken = Path(shutil.copytree('recipes/parity', 'recipes/broken'))
+(broken / 'agent.py').write_text((broken / 'agent.py').read_text().replace('def tasks(', 'def tusks('))
+try:
+    launch(load_config('recipes/broken'), name='broken')
+    refused = None
+except Exception as e:
+    refused = f"{{type(e).__name__}}: {{e}}"
 run = launch(cfg, name='elsewhere')
 shutil.rmtree('recipes')  # gone from here: the run can only use what travelled with it
 st = run.wait(timeout=400)
 dash = Dashboard(run, live=False)
-out = dict(state=st['state'], reason=st.get('reason'), steps=[int(s) for s in run.metrics().step],
+out = dict(refused=refused, state=st['state'], reason=st.get('reason'), steps=[int(s) for s in run.metrics().step],
            shown=[int(s) for s in dash.metrics.step], store=run.config()['run_dir'],
            recipe=run.config()['recipe'], here=sorted(str(p) for p in Path('.').rglob('*')))
 run.kill()
@@ -54,6 +62,8 @@ def test_launch_on_a_head_elsewhere_runs_the_recipe_it_sent(tmp_path):
     with token_head(home, cwd=tmp_path / 'head', cpus=2) as (address, token, _):
         code = 'from pathlib import Path\n' + LAUNCH.format(parity=str(PARITY), address=address, token=token)
         out = kernel(code, tmp_path / 'kernel-home', cwd=tmp_path / 'kernel')
+    # checked where it would run, on the files that travel: the recipe's own error, before any run starts
+    assert out['refused'].startswith('RecipeError') and 'does not export tasks' in out['refused'], out
     assert out['state'] == 'finished', out
     assert out['steps'] == [0, 1, 2, 3] and out['shown'] == out['steps'], out
     assert out['store'] == str(home / 'molt-runs' / 'elsewhere'), out
@@ -61,3 +71,15 @@ def test_launch_on_a_head_elsewhere_runs_the_recipe_it_sent(tmp_path):
     assert out['here'] == [], out  # nothing was written on the kernel's side
     assert out['recipe'] == str(home / 'molt-runs' / 'elsewhere' / 'recipe'), out  # the code that ran, kept
     assert (home / 'molt-runs' / 'elsewhere' / 'recipe' / 'agent.py').read_text() == (PARITY / 'agent.py').read_text()
+
+
+@pytest.mark.parametrize('recipe', sorted(p.parent.name for p in (ROOT / 'recipes').glob('*/recipe.toml')))
+def test_every_recipe_travels_whole(recipe, tmp_path):
+    "What `launch` uploads holds the recipe's agent module, also one that lives in a sibling recipe (gsm8k_moe's)"
+    from molt_nb.config import load_config
+    from molt_nb.remote import on_cluster, ship
+
+    cfg = load_config(ROOT / 'recipes' / recipe, [f'run_dir="{tmp_path}/here"'])
+    there = on_cluster(*ship(dataclasses.replace(cfg), recipe, 'upload', store=str(tmp_path / 'there'))[:2])
+    assert there.agent_path.is_file() and there.agent_path.read_text() == cfg.agent_path.read_text()
+    assert there.agent_path.resolve().is_relative_to(tmp_path / 'there' / 'recipe')

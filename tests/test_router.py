@@ -60,9 +60,10 @@ async def trainer(name, *args):
 
 
 def test_an_engine_revived_by_the_next_fetch_waits_for_its_weights():
-    """The loop fetches version N+1 while it applies N: that fetch replaces a dead engine, which then has nothing of N
-    staged. Applying N loads the others and leaves it out of the rotation until N+1 loads (the load of N failed on it:
-    'no staged weights of version 3 to load (staged: [])', in 3 of 6 runs of test_engine_killed_mid_run)"""
+    """An engine replaced after the fetch of N has nothing of N staged. Applying N loads the others and leaves it out
+    of the rotation until N+1 loads (when the fetch of N+1 revived engines, running while the loop applied N, the load
+    of N failed on it: 'no staged weights of version 3 to load (staged: [])', in 3 of 6 runs of
+    test_engine_killed_mid_run)"""
 
     async def go():
         slow = asyncio.Event()
@@ -70,7 +71,7 @@ def test_an_engine_revived_by_the_next_fetch_waits_for_its_weights():
         router = Router(lambda slot, inc: Stub(slot, inc, slow), 2, vocab_size=8, version=0)
         await router.fetch(trainer, 'inprocess', 3)
         router._dead(0, 0)
-        await router.revive()  # as the fetch of version 4 does, before the load of 3
+        await router.revive()
         await router.apply(3)
         assert router.ready == [False, True] and router.engines[1].version == 3
         assert [await router.generate([1]) for _ in range(3)] == [(1, 3)] * 3  # all to the engine with the weights
