@@ -273,10 +273,11 @@ async def each(self: Router, name: str, *args) -> list:
 
 
 @patch
-async def answers(self: Router, name: str, *args, slots=None) -> list:
-    """`each` (on the live engines of `slots`, if given), as (slot, incarnation, result): the incarnation that
-    answered, which a slot revived meanwhile (during the await) no longer has"""
-    live = [(i, self.incarnation[i]) for i, a in enumerate(self.alive) if a and (slots is None or i in slots)]
+async def answers(self: Router, name: str, *args, members: set | None = None) -> list:
+    """`each` (on the live engines of `members`, (slot, incarnation) pairs, if given), as (slot, incarnation, result):
+    the incarnation that answered, which a slot revived meanwhile (during the await) no longer has"""
+    live = [(i, self.incarnation[i]) for i, a in enumerate(self.alive) if a]
+    live = [m for m in live if members is None or m in members]
     if len(live) == 1:  # no task to gather: a call to an engine in this process then never yields to the loop
         out = [await capture(call(self.engines[live[0][0]], name, *args))]
     else:
@@ -414,7 +415,8 @@ async def broadcast(self: Router, trainer, version: int):
         manifest = await trainer('weight_manifest', version)
         try:
             sent = trainer('send_weights', 'broadcast', version)
-            _, got = await asyncio.gather(sent, self.answers('receive', manifest, 'broadcast'))
+            # the group's members only: an engine the loop's sync revived meanwhile is not in it (it fetches next)
+            _, got = await asyncio.gather(sent, self.answers('receive', manifest, 'broadcast', members=set(self.group)))
             return manifest, got
         except Exception:
             await self.each('stats')
@@ -429,9 +431,7 @@ async def apply(self: Router, version: int):
     `apply` loads it (the loop's sync fetches for it first: `missing`)"""
     if version not in self.received:
         raise ValueError(f"apply({version}): no fetch of version {version} (fetched: {sorted(self.received)})")
-    have = self.received[version]
-    slots = [i for i, a in enumerate(self.alive) if a and (i, self.incarnation[i]) in have]
-    loaded = await self.answers('load_staged', version, slots=slots)
+    loaded = await self.answers('load_staged', version, members=self.received[version])
     for i, incarnation, _ in loaded:
         self.ready[i] = self.ready[i] or incarnation == self.incarnation[i]
     self.version = version

@@ -20,9 +20,14 @@ class Stub:
         self.version = version
 
     async def receive(self, manifest, kind):
+        if kind == 'broadcast' and not getattr(self, 'group', None):
+            raise ValueError("'broadcast' takes a receiver rank of a group: this engine joined none")
         if self.slot == 1:
             await self.slow.wait()
         self.staged[manifest.version] = manifest
+
+    async def join(self, host, port, rank, world_size, backend):
+        self.group = (rank, world_size)
 
     async def stats(self):
         return dict(busy_s=0.0)
@@ -97,5 +102,37 @@ def test_requests_wait_while_the_only_engine_is_a_replacement():
         await router.fetch(trainer, 'inprocess', 4)
         await router.apply(4)
         assert await asyncio.wait_for(request, 5) == (0, 4)
+
+    asyncio.run(go())
+
+
+def test_an_engine_revived_during_a_broadcast_is_left_to_the_next_fetch():
+    """The loop's sync revives a dead engine while a broadcast, its group already built without it, is under way: the
+    broadcast goes to the group's members only, and the replacement is missing (it was asked to receive, and failed:
+    "'broadcast' takes a receiver rank (>= 1) of a group, others none")"""
+
+    async def go():
+        slow, manifest_asked = asyncio.Event(), asyncio.Event()
+        slow.set()
+        router = Router(lambda slot, inc: Stub(slot, inc, slow), 2, vocab_size=8, version=0)
+        go_on = asyncio.Event()
+
+        async def trainer(name, *args):
+            if name == 'transport_address':
+                return '127.0.0.1', 0
+            if name == 'weight_manifest':
+                manifest_asked.set()
+                await go_on.wait()  # the group is built; the sync revives engine 0 now
+                return Manifest(version=args[0], buckets=())
+            return None  # join_transport, send_weights
+
+        router._dead(0, 0)
+        fetch = asyncio.ensure_future(router.fetch(trainer, 'broadcast', 3))
+        await manifest_asked.wait()
+        assert router.group == ((1, 0),)
+        await router.revive()
+        go_on.set()
+        await fetch
+        assert router.received[3] == {(1, 0)} and router.missing(3) == [0]
 
     asyncio.run(go())
