@@ -335,6 +335,12 @@ def main():
         f"({fmt(asy['time_to_trl_final'])}); async rollouts/s at least 2x TRL's: "
         f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x). Plot: bench/out/trl.png; data: bench/out/trl.json.",
         "",
+        "Not equal between the arms: the policy loss (TRL's `loss_type` above vs molt-nb's recipe loss, algo.loss), "
+        "the data order (TRL's own shuffled sampler), the threads (TRL one process with 2, molt-nb two processes), "
+        "and the RL seconds (molt-nb's loop.seconds counts its evaluations). Evaluation points are sparser for "
+        "molt-nb (every 50 steps vs TRL's 20), so its time to a given accuracy is coarser. "
+        f"{args.reps} repetition(s), one seed: a few points of held-out accuracy are within run-to-run noise.",
+        "",
     ]
     print("\n".join(lines))
     if args.append:
