@@ -6,12 +6,15 @@
 (c) molt-nb `async` on Ray (the pool samples while the trainer trains, staleness <= loop.max_staleness).
 
 Each arm runs RL for the same wall time and reports rollouts trained per second (evaluation time excluded),
-the engine's idle fraction, and held-out accuracy at the start and the end (and the gain per minute).
+the engine's idle fraction and, on Ray, its causes (starved: the pool had room and nothing was draining;
+backpressure: the pool held back; sync: paused for the weights, see `Router.step_metrics`), and held-out accuracy
+at the start and the end (and the gain per minute). With --reps N the arms alternate N times and the table shows
+each figure's median over the repetitions.
 
-    .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--append bench/RESULTS.md]
+    .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--reps 5] [--arms a,b,c] [--append bench/RESULTS.md]
 """
 
-import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, tempfile, time
+import argparse, asyncio, copy, dataclasses, datetime, gc, os, platform, statistics, tempfile, time
 from pathlib import Path
 
 import torch
@@ -73,6 +76,9 @@ async def single_process(cfg, seconds: float) -> dict:
     )
 
 
+CAUSES = ('starved', 'backpressure', 'sync')
+
+
 def on_ray(cfg) -> dict:
     "An arm run by molt-nb on Ray; figures from its metrics (evaluation time excluded)"
     run = launch(cfg, name=f"arm-{time.monotonic_ns()}")
@@ -85,7 +91,8 @@ def on_ray(cfg) -> dict:
     )  # the last row's eval runs after its time was taken
     wall = float(m.time.max()) - float(evals_during)
     step_wall = steps.time_collect + steps.time_train + steps.time_sync
-    idle = float((steps.engine_idle * step_wall).sum() / step_wall.sum())
+    weighted = lambda col: float((steps[col] * step_wall).sum() / step_wall.sum())  # over the steps, by their wall
+    idle = weighted('engine_idle')
     evals = m['eval'].dropna()
     return dict(
         steps=int(steps.step.max()),
@@ -93,6 +100,7 @@ def on_ray(cfg) -> dict:
         seconds=wall,
         samples_per_s=float(steps.rollouts.sum()) / wall,
         engine_idle=idle,
+        **{f"idle_{k}": weighted(f"engine_idle/{k}") for k in CAUSES},
         start=float(evals.iloc[0]),
         end=float(evals.iloc[-1]),
         staleness_max=max(
@@ -105,6 +113,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument('--seconds', type=float, default=90)
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--reps', type=int, default=1, help='repetitions (the arms alternate); the table shows medians')
+    p.add_argument('--arms', default='a,b,c', help='which arms to run, e.g. c for async alone')
     p.add_argument('--append', default=None)
     p.add_argument(
         '--warm', default=None, help='reuse a warm-start checkpoint directory (skips the supervised warm start)'
@@ -138,20 +148,28 @@ def main():
             )
         ),
     }
-    results = {}
-    for name, fn in arms.items():
-        gc.collect()
-        results[name] = r = fn()
-        print(
-            f"{name}: {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}, accuracy "
-            f"{r['start']:.3f} -> {r['end']:.3f} in {r['seconds']:.0f} s ({r['steps']} steps)",
-            flush=True,
-        )
-    floor, sync, asy = (results[k]['samples_per_s'] for k in arms)
+    arms = {k: v for k, v in arms.items() if k[1] in args.arms.split(',')}
+    runs = {name: [] for name in arms}
+    for rep in range(args.reps):
+        for name, fn in arms.items():
+            gc.collect()
+            runs[name].append(r := fn())
+            causes = ', '.join(f"{k} {r[f'idle_{k}']:.0%}" for k in CAUSES if f"idle_{k}" in r)
+            print(
+                f"{name} (rep {rep}): {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}"
+                f"{f' ({causes})' if causes else ''}, accuracy {r['start']:.3f} -> {r['end']:.3f} in "
+                f"{r['seconds']:.0f} s ({r['steps']} steps)",
+                flush=True,
+            )
+    # each figure's median over the repetitions
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    rate = lambda arm: results[arm]['samples_per_s'] if arm in results else float('nan')
+    floor, sync, asy = (rate(k) for k in ('(a) single process, no Ray', '(b) molt-nb sync', '(c) molt-nb async'))
     lines = [
         f"## async: the arith recipe as a single process, molt-nb sync and molt-nb async ({datetime.date.today()})",
         "",
-        f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed}`. Machine: "
+        f"Command: `.venv/bin/python bench/async.py --seconds {args.seconds:g} --seed {args.seed} --reps {args.reps} "
+        f"--arms {args.arms}`. Figures are medians over {args.reps} repetition(s), arms alternating. Machine: "
         f"{os.cpu_count()} CPU cores "
         f"({platform.machine()}), no GPU, torch {torch.__version__}. One shared warm start (450 demos, 600 steps; "
         "held-out accuracy "
@@ -159,24 +177,32 @@ def main():
         "of wall time. "
         "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of "
         "that time the "
-        "engine thread was not computing. Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) trainer 1, "
-        "engine 1.",
+        "engine thread was not computing, split on Ray by cause: starved (the pool had room, nothing was draining), "
+        "backpressure (the pool held back: every place in flight held a finished group, or sync mode waited for the "
+        "trainer), sync (paused for the weights). Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) "
+        "trainer 1, engine 1.",
         "",
-        "| arm | steps | rollouts/s | engine idle | held-out accuracy start -> end | gain per minute |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | steps | rollouts/s | engine idle | starved | backpressure | sync | held-out accuracy start -> end "
+        "| gain per minute |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
+        causes = ' | '.join(f"{r[f'idle_{k}']:.0%}" if f"idle_{k}" in r else '-' for k in CAUSES)
         lines.append(
-            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {r['start']:.3f} -> "
-            f"{r['end']:.3f} | "
-            f"{(r['end'] - r['start']) / (r['seconds'] / 60):+.3f} |"
+            f"| {name} | {r['steps']:.0f} | {r['samples_per_s']:.0f} | {r['engine_idle']:.0%} | {causes} | "
+            f"{r['start']:.3f} -> {r['end']:.3f} | {(r['end'] - r['start']) / (r['seconds'] / 60):+.3f} |"
         )
+    asy_r = results.get('(c) molt-nb async')
     lines += [
         "",
         f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** "
-        "(goal >= 0.8x); "
-        f"async engine idle **{results['(c) molt-nb async']['engine_idle']:.0%}** (goal < 10%); async max staleness "
-        f"{results['(c) molt-nb async']['staleness_max']}.",
+        "(goal >= 0.8x)."
+        + (
+            f" Async engine idle **{asy_r['engine_idle']:.0%}**, of which starved **{asy_r['idle_starved']:.0%}** "
+            f"(goal < 10%, median of {args.reps}); async max staleness {asy_r['staleness_max']:.0f}."
+            if asy_r
+            else ''
+        ),
         "",
     ]
     print("\n".join(lines))

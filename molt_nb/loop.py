@@ -585,9 +585,9 @@ async def _sync(self: Orchestrator, out: StepOutput):
 # %% ../nbs/21_loop.ipynb #e107e084
 @patch
 def _metrics(
-    self: Orchestrator, work: Collected, out: StepOutput, pool: Pool, wall: float, busy_s: float, sync_s: float, report
+    self: Orchestrator, work: Collected, out: StepOutput, pool: Pool, wall: float, sync_s: float, report
 ) -> dict:
-    "The step's metrics row (`wall`: seconds since the last step ended; `busy_s`: the engine's busy time in them)"
+    "The step's metrics row (`wall`: seconds since the last step ended)"
     trajectories, batch = work.trajectories, work.batch
     rewards = torch.tensor([t.reward for t in trajectories])
     lengths = torch.tensor([sum(int(s.num_actions) for s in t.segments) for t in trajectories], dtype=torch.float32)
@@ -602,8 +602,7 @@ def _metrics(
         length_max=float(lengths.max()),
         **{k if k.startswith('routing/') else f"train/{k}": v for k, v in out.metrics.items()},
         **{f"staleness/{k}": float(v) for k, v in enumerate(age.tolist()) if v},
-        engine_idle=max(0.0, 1 - busy_s / wall),
-        **self.engine.step_metrics(wall),
+        **self.engine.step_metrics(wall),  # engine_idle and its causes, engine/...
         trainer_idle=max(0.0, 1 - out.seconds / wall),
         time_collect=work.wait,
         time_train=out.seconds,
@@ -759,7 +758,9 @@ async def _begin(self: Orchestrator) -> tuple:
     self.started = time.perf_counter()
     row = await self._evaluate(dict(step=self.step, time=0.0))
     await self.engine.refresh()
-    self._last_end, self._last_busy = time.perf_counter(), self.engine.stats['busy_s']  # the first step's start
+    pool.on_hold = self.engine.hold  # the engines' idle clocks learn when the pool holds back
+    self.engine.mark()
+    self._last_end = time.perf_counter()  # the first step's start
     if not self.store.rows or self.store.rows[-1]['step'] < self.step:
         self.store.log(row)
     return pool, row
@@ -773,9 +774,9 @@ async def _finish(
     loop_cfg, start = self.cfg.loop, time.perf_counter()
     report = await self._sync(out)
     await self.engine.refresh()
-    end, busy = time.perf_counter(), self.engine.stats['busy_s']
-    row = self._metrics(work, out, pool, end - self._last_end, busy - self._last_busy, end - start, report)
-    self._last_end, self._last_busy = end, busy
+    end = time.perf_counter()
+    row = self._metrics(work, out, pool, end - self._last_end, end - start, report)
+    self._last_end = end
     self.store.add_samples(sample_frame(self.step, work.trajectories, self.tokenizer, out.tokens, out.train_routes))
     if (last and not stopped) or (loop_cfg.eval_every and self.step % loop_cfg.eval_every == 0):
         row = await self._evaluate(row)

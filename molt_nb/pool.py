@@ -85,6 +85,9 @@ class Pool:
         self.counters = collections.Counter()  # rollouts/<reason>, groups/<reason>, restarted
         self.failures, self.max_failure_rate = Failures(failure_window), max_failure_rate
         self.in_flight, self.ready, self._wake, self._closed = {}, collections.deque(), asyncio.Event(), False
+        # called with True when no group runs any more (the pool holds back), False when one starts again: the loop
+        # wires it to the router's idle clocks (`Router.hold`)
+        self.on_hold = None
 
 # %% ../nbs/17_pool.ipynb #dc276421
 class Recorder:
@@ -242,6 +245,8 @@ def _launch(self: Pool):
         self.position += 1
     task = asyncio.get_running_loop().create_task(self._group(index))
     self.in_flight[index] = task
+    if len(self.in_flight) == 1 and self.on_hold:
+        self.on_hold(False)
     task.add_done_callback(lambda t, index=index: self._finished(index, t))
 
 
@@ -250,6 +255,8 @@ def _finished(self: Pool, index: int, task):
     self.in_flight.pop(index, None)
     if task.cancelled() or self._closed:
         return
+    if not self.in_flight and self.on_hold:
+        self.on_hold(True)  # the groups in flight are all finished; a streaming pool may start more at once (below)
     if (e := task.exception()) is not None:  # a bug in the pool itself, not in an agent: fail loudly
         self.ready.append(e)
     else:

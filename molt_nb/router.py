@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['TRANSPORT_TIMEOUT_S', 'REVIVE_TIMEOUT_S', 'INLINE_BYTES', 'engine_of', 'vllm_engine_of', 'Staging', 'EngineActor',
-           'EngineDied', 'died', 'capture', 'call', 'Router']
+           'EngineDied', 'died', 'capture', 'call', 'Router', 'idle_split']
 
 # %% ../nbs/16_router.ipynb #d2a0faa4
 import asyncio, collections, time
@@ -194,7 +194,16 @@ class Router:
         self._seen = [0.0] * engines  # the busy seconds each slot's current incarnation last reported
         self.stats = dict(busy_s=0.0)  # mean busy seconds over the slots, as a single engine's `stats`
         self.routed = [0] * engines  # requests sent to each slot
-        self.marks = [0.0] * engines, [0] * engines  # `busy` and `routed` at the last `step_metrics`
+        # engine idle by cause (`step_metrics`): seconds each slot waited while the pool held back, or in a sync
+        self.backpressure, self.sync = [0.0] * engines, [0.0] * engines
+        self.held = False  # the pool runs no group: every place in flight holds a finished one (`hold`)
+        self.paused = self.drained = False  # from `pause` to `resume`; every engine has stopped (drained)
+        self.clock = time.perf_counter  # what idle time is measured with
+        self._ticked = self.clock()
+        zeros = [0.0] * engines
+        self.marks = dict(
+            busy=zeros, backpressure=zeros, sync=zeros, routed=[0] * engines
+        )  # at the last `step_metrics`
         self.group = None  # the engines' incarnations when the weight-transport group was built ('broadcast')
         self.fetch_lock = asyncio.Lock()
         self.received = {}  # version -> the (slot, incarnation) of each engine that has it staged
@@ -244,6 +253,7 @@ async def generate(
             await self.readied.wait_for(lambda: self.serving() or not any(self.alive))
     i = self.pick(session_id)
     incarnation = self.incarnation[i]
+    self._tick()
     self.inflight[i] += 1
     self.routed[i] += 1
     try:
@@ -255,6 +265,7 @@ async def generate(
         self._dead(i, incarnation)
         raise EngineDied(f"engine {i} died while serving this request ({type(e).__name__})") from None
     finally:
+        self._tick()
         self.inflight[i] -= 1
 
 
@@ -264,6 +275,71 @@ def _dead(self: Router, i: int, incarnation: int):
     if self.alive[i] and self.incarnation[i] == incarnation:
         self.alive[i] = False
         self.counters['deaths'] += 1
+
+# %% ../nbs/16_router.ipynb #1284bd58
+@patch
+def _tick(self: Router):
+    "Charge the time since the last tick to each live slot's idle clocks (`sync` once drained, else `backpressure`)"
+    now = self.clock()
+    dt, self._ticked = now - self._ticked, now
+    for i, alive in enumerate(self.alive):
+        if not alive:
+            continue
+        if self.drained:
+            self.sync[i] += dt
+        elif self.held and not self.paused and not self.inflight[i]:
+            self.backpressure[i] += dt
+
+
+@patch
+def hold(self: Router, held: bool):
+    "The pool starts (True) or stops (False) holding back: it runs no group while the trainer has not collected"
+    self._tick()
+    self.held = held
+
+
+@patch
+def _totals(self: Router) -> dict:
+    "Each slot's busy, backpressure and sync seconds and requests so far"
+    return dict(
+        busy=list(self.busy), backpressure=list(self.backpressure), sync=list(self.sync), routed=list(self.routed)
+    )
+
+
+def idle_split(busy: float, backpressure: float, sync: float, wall: float) -> dict:
+    """An engine's idle fraction of `wall` seconds (busy `busy`) and its causes: sync, backpressure, and starved (the
+    rest), each clipped so that the three add up to the idle"""
+    idle = min(max(1 - busy / wall, 0.0), 1.0)
+    s = min(sync / wall, idle)
+    b = min(backpressure / wall, idle - s)
+    return dict(idle=idle, idle_starved=idle - s - b, idle_backpressure=b, idle_sync=s)
+
+
+@patch
+def step_metrics(self: Router, wall: float) -> dict:
+    """The engines' idle fraction of the last `wall` seconds and its causes (`engine_idle`, `engine_idle/<cause>`: the
+    mean over the slots), each slot's own and the requests it got (when there are several), the counters, the live
+    engines"""
+    self._tick()
+    now, then = self._totals(), self.marks
+    self.marks = now
+    d = {k: [a - b for a, b in zip(now[k], then[k])] for k in now}
+    slots = [idle_split(d['busy'][i], d['backpressure'][i], d['sync'][i], wall) for i in range(len(self.engines))]
+    out = {
+        'engine_idle' if k == 'idle' else f"engine_idle/{k.removeprefix('idle_')}": sum(s[k] for s in slots)
+        / len(slots)
+        for k in slots[0]
+    }
+    for i, s in enumerate(slots) if len(slots) > 1 else ():
+        out |= {f"engine/{i}/{k}": v for k, v in s.items()} | {f"engine/{i}/requests": float(d['routed'][i])}
+    return out | {f"engine/{k}": float(v) for k, v in self.counters.items()} | {'engine/alive': float(sum(self.alive))}
+
+
+@patch
+def mark(self: Router):
+    "Start the next `step_metrics` interval now"
+    self._tick()
+    self.marks = self._totals()
 
 # %% ../nbs/16_router.ipynb #fc1ee4d8
 @patch
@@ -293,13 +369,23 @@ async def answers(self: Router, name: str, *args, members: set | None = None) ->
 
 @patch
 async def pause(self: Router, keep: bool = True, drain: bool = False):
-    "Pause every engine (draining first if `drain`), together"
-    await self.each('pause', keep, drain)
+    "Pause every engine (draining first if `drain`), together; from then until `resume` their idle time is a sync's"
+    self._tick()
+    self.paused = True
+    try:
+        await self.each('pause', keep, drain)
+    finally:
+        self._tick()
+        self.drained = True
 
 
 @patch
 async def resume(self: Router):
-    await self.each('resume')
+    try:
+        await self.each('resume')
+    finally:
+        self._tick()
+        self.paused = self.drained = False
 
 
 @patch
@@ -349,18 +435,6 @@ async def refresh(self: Router) -> dict:
         self._seen[i] = s['busy_s']
     self.stats['busy_s'] = sum(self.busy) / len(self.busy)
     return out
-
-
-@patch
-def step_metrics(self: Router, wall: float) -> dict:
-    """Each slot's idle fraction of the last `wall` seconds and the requests it got (when there are several), the
-    counters, the live engines"""
-    out, (busy, routed) = {}, self.marks
-    for i in range(len(self.engines)) if len(self.engines) > 1 else ():
-        out[f"engine/{i}/idle"] = max(0.0, 1 - (self.busy[i] - busy[i]) / wall)
-        out[f"engine/{i}/requests"] = float(self.routed[i] - routed[i])
-    self.marks = list(self.busy), list(self.routed)
-    return out | {f"engine/{k}": float(v) for k, v in self.counters.items()} | {'engine/alive': float(sum(self.alive))}
 
 
 @patch

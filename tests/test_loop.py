@@ -279,3 +279,58 @@ def test_failure_stop_logs_and_checkpoints_the_steps_trained(tmp_path, mode):
         ckpt is not None and json.loads((ckpt / 'state.json').read_text())['step'] == orch.step
     )  # before: no checkpoint (checkpoint_every=0)
     assert orch.store.failures()['train error:ConnectionError']['count'] >= 8
+
+
+SLOW_AGENT = '''
+import asyncio
+from molt_nb.agents import Env, StepEnvRunner
+from molt_nb.core import Result
+
+def tasks(split):
+    return [dict(prompt=f"{n}:") for n in range(1000)]
+
+class Slow(Env):
+    async def reset(self, task):
+        await asyncio.sleep(0.05)  # an agent that thinks before it asks the engine
+        return task['prompt']
+    async def step(self, turn):
+        return Result(reward=float(int(turn.token_ids[0]) % 2 == 0))
+
+def AgentRunner(tokenizer):
+    return StepEnvRunner(Slow, tokenizer, max_context=32, template=False)
+'''
+
+
+def idle_causes(store: RunStore):
+    "Each cause's share of the engine's idle time over the steps, and the largest gap between the causes' sum and it"
+    m = store.metrics()
+    m = m[m.step > 0]
+    causes = [f"engine_idle/{k}" for k in ('starved', 'backpressure', 'sync')]
+    gap = float((m[causes].sum(axis=1) - m.engine_idle).abs().max())
+    return {c.split('/')[1]: float(m[c].sum() / m.engine_idle.sum()) for c in causes}, gap
+
+
+def test_engine_idle_split_names_the_cause(ray_local, tmp_path):
+    # a trainer slower than the engine (one row per micro-batch) and a pool that holds two steps at most: the engine
+    # waits on the trainer, which is backpressure
+    _, held = finish(
+        config(
+            tmp_path / 'held', 'loop.steps=8', 'loop.mode="async"', 'train.micro_batch_rows=1',
+            'rollout.groups_in_flight=4', 'loop.debug=false',
+        )
+    )  # fmt: skip
+    share, gap = idle_causes(held)
+    assert gap < 1e-6  # the causes add up to the idle
+    assert share["backpressure"] > 0.5, share
+    # agents that sleep 50 ms before they ask, with room for 16 groups in the pool: the engine starves
+    recipe = tmp_path / 'slow'
+    recipe.mkdir()
+    (recipe / 'agent.py').write_text(SLOW_AGENT)
+    (recipe / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
+    _, slow = finish(
+        config(tmp_path / 'slow-run', 'loop.steps=8', 'loop.mode="async"', 'rollout.groups_in_flight=16',
+               'loop.debug=false', recipe=recipe)
+    )  # fmt: skip
+    share, gap = idle_causes(slow)
+    assert gap < 1e-6
+    assert share["starved"] > 0.5, share
