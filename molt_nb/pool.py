@@ -7,6 +7,7 @@ __all__ = ['Group', 'Pool', 'Recorder', 'RunStopped', 'Failures', 'within', 'tra
 
 # %% ../nbs/17_pool.ipynb #4c33a464
 import asyncio, collections, traceback
+import torch
 from pathlib import Path
 import molt_nb
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ class Group:
     @property
     def oldest_version(self) -> int:
         "The oldest policy version that sampled any token of the group (a large number when none did)"
-        vs = [
-            int(s.versions[s.action_mask].min()) for t in self.trajectories for s in t.segments if s.action_mask.any()
-        ]
-        return min(vs) if vs else 2**31 - 1
+        segs = [s for t in self.trajectories for s in t.segments]
+        if not segs:
+            return 2**31 - 1
+        # one reduction for the group, not one per segment (the pool checks every group it hands out)
+        vs = torch.cat([s.versions for s in segs])[torch.cat([s.action_mask for s in segs])]
+        return int(vs.min()) if len(vs) else 2**31 - 1
 
 # %% ../nbs/17_pool.ipynb #93c59d6f
 class Pool:
