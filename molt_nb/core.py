@@ -589,14 +589,18 @@ def collate(
             f"collate got {len(trajectories)} trajectories and none to train on: pass at least "
             "one trajectory that has a Segment and no error (failed rollouts are skipped)"
         )
-    if vocab_size is not None:
+    trs, segment_index, segs = zip(*rows)
+    input_ids = _pad([s.token_ids for s in segs])
+    # one test on the padded ids (padding is id 0); the per-segment check names the first bad one
+    if vocab_size is not None and bool(_bad_ids(input_ids, vocab_size).any()):
         for tr, i, s in rows:
             _check_token_ids(s.token_ids, vocab_size, f"rollout {tr.rollout_id!r} segment {i}: Segment.token_ids")
-    trs, segment_index, segs = zip(*rows)
-    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=segs[0].token_ids.device)
+    device = input_ids.device
+    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
     return Batch(
-        input_ids=_pad([s.token_ids for s in segs]),
-        attention_mask=_pad([torch.ones_like(s.action_mask) for s in segs]),
+        input_ids=input_ids,
+        attention_mask=torch.arange(input_ids.shape[1], device=device)
+        < per_row(list(map(len, segs)), torch.int64)[:, None],
         action_mask=_pad([s.action_mask[1:] for s in segs]),
         logprobs=_pad([s.logprobs[1:] for s in segs]),
         versions=_pad([s.versions[1:] for s in segs]),
