@@ -176,6 +176,8 @@ def _first(bad: Tensor) -> tuple:
 
 def _as(value, dtype, name: str, device=None) -> Tensor:
     "`value` as a `dtype` tensor; for an integer dtype, raise on an entry that is not a whole number"
+    if isinstance(value, Tensor) and value.dtype == dtype and (device is None or value.device == device):
+        return value  # what the engine returns: nothing to convert
     t = torch.as_tensor(value, device=device)
     if dtype.is_floating_point or not t.is_floating_point():
         return torch.as_tensor(t, dtype=dtype)  # the fast path
@@ -288,6 +290,16 @@ def prompt(
     vocab_size: int | None = None,  # when given, ids must be < vocab_size
 ) -> Segment:
     "A segment of prompt tokens only (nothing sampled yet)"
+    if (n := _valid_ids(token_ids, vocab_size)) is not None:  # the fast path: a list of ids from the tokenizer
+        return _trusted(
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.zeros(n, dtype=torch.bool),
+            torch.zeros(n, dtype=torch.float32),
+            torch.full((n,), -1, dtype=torch.int32),
+            None,
+            None,
+            vocab_size,
+        )
     ids = _as(token_ids, torch.int64, 'Segment.token_ids')
     fields = (
         ids,
@@ -302,6 +314,15 @@ def prompt(
 
 def _bad_ids(ids: Tensor, vocab_size: int | None) -> Tensor:
     return (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
+
+
+def _valid_ids(ids, vocab_size: int | None) -> int | None:
+    "How many ids `ids` holds when it is a non-empty list of valid int ids, else None (the checked path decides)"
+    # checked in Python: for a prompt of a few tokens each tensor op (which releases the GIL, a wait on a busy actor)
+    # costs more than the whole check
+    if type(ids) is not list or not ids or set(map(type, ids)) != {int}:
+        return None
+    return len(ids) if min(ids) >= 0 and max(ids) < (2**63 if vocab_size is None else vocab_size) else None
 
 
 def _trusted(token_ids, action_mask, logprobs, versions, routes, images, vocab_size) -> Segment:
@@ -385,10 +406,26 @@ def extend(
         self.vocab_size,
     )
     # `self` was checked when it was built: only the appended tokens need checking (the constructor explains a failure)
-    bad = _bad_ids(ids, self.vocab_size) | ((_bad_logprob(lp) | (vs < 0)) if sampled else (lp != 0))
-    if bool(bad.any()) or (new_routes is not None and bool((new_routes < -1).any())):
+    if not _appended_valid(ids, lp, vs, sampled, self.vocab_size) or (
+        new_routes is not None and bool((new_routes < -1).any())
+    ):
         return Segment(*fields)
     return _trusted(*fields)
+
+
+_FEW = 64  # up to this many appended tokens are checked in Python (a turn's few tokens: see `_valid_ids`)
+
+
+def _appended_valid(ids: Tensor, lp: Tensor, vs: Tensor, sampled: bool, vocab_size: int | None) -> bool:
+    "True when appended ids, logprobs and versions are valid for sampled tokens (`sampled`) or observation tokens"
+    if len(ids) > _FEW:
+        return not bool((_bad_ids(ids, vocab_size) | ((_bad_logprob(lp) | (vs < 0)) if sampled else (lp != 0))).any())
+    i, p, v = ids.tolist(), lp.tolist(), vs.tolist()
+    if i and (min(i) < 0 or (vocab_size is not None and max(i) >= vocab_size)):
+        return False
+    if sampled:
+        return all(-math.inf < x <= 0 for x in p) and all(x >= 0 for x in v)
+    return not any(x != 0 for x in p)
 
 # %% ../nbs/00_core.ipynb #2714f403
 def _number(value, name: str) -> float:
@@ -552,14 +589,18 @@ def collate(
             f"collate got {len(trajectories)} trajectories and none to train on: pass at least "
             "one trajectory that has a Segment and no error (failed rollouts are skipped)"
         )
-    if vocab_size is not None:
+    trs, segment_index, segs = zip(*rows)
+    input_ids = _pad([s.token_ids for s in segs])
+    # one test on the padded ids (padding is id 0); the per-segment check names the first bad one
+    if vocab_size is not None and bool(_bad_ids(input_ids, vocab_size).any()):
         for tr, i, s in rows:
             _check_token_ids(s.token_ids, vocab_size, f"rollout {tr.rollout_id!r} segment {i}: Segment.token_ids")
-    trs, segment_index, segs = zip(*rows)
-    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=segs[0].token_ids.device)
+    device = input_ids.device
+    per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
     return Batch(
-        input_ids=_pad([s.token_ids for s in segs]),
-        attention_mask=_pad([torch.ones_like(s.action_mask) for s in segs]),
+        input_ids=input_ids,
+        attention_mask=torch.arange(input_ids.shape[1], device=device)
+        < per_row(list(map(len, segs)), torch.int64)[:, None],
         action_mask=_pad([s.action_mask[1:] for s in segs]),
         logprobs=_pad([s.logprobs[1:] for s in segs]),
         versions=_pad([s.versions[1:] for s in segs]),

@@ -203,14 +203,16 @@ class Qwen3Decoder:
         rope = self.cos[pos], self.sin_rot[pos]  # (S, 1, head_dim)
         mask = mask.expand(S, self.kv_heads, 1, mask.shape[-1]).reshape(S * self.kv_heads, 1, -1)
         for i, layer in enumerate(m.layers):
-            x = self._attention(i, layer, x, rope, mask, cache)
-            h = _norm(x, layer.post_attention_layernorm.weight, self.eps)
-            if self.gate_up[i] is None:
-                x = x + self._moe(i, layer.mlp, h)
-            else:
-                gate, up = F.linear(h, self.gate_up[i]).chunk(2, -1)
-                x = torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
+            x = self._mlp(i, layer, self._attention(i, layer, x, rope, mask, cache))
         return F.linear(_norm(x, m.norm.weight, self.eps), self.model.lm_head.weight)
+
+    def _mlp(self, i, layer, x):
+        "x + the MLP (or MoE) block of decoder layer `i`: (N, D) -> (N, D), any number of token rows."
+        h = _norm(x, layer.post_attention_layernorm.weight, self.eps)
+        if self.gate_up[i] is None:
+            return x + self._moe(i, layer.mlp, h)
+        gate, up = F.linear(h, self.gate_up[i]).chunk(2, -1)
+        return torch.addmm(x, F.silu(gate) * up, layer.mlp.down_proj.weight.t())
 
 # %% ../nbs/02_decode.ipynb #f5f23733
 @patch
@@ -247,6 +249,34 @@ def _attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache):
     )
     out = torch.bmm(scores.softmax(-1), V.reshape(S * G, n, d)).view(S, H * d)
     return torch.addmm(x, out, a.o_proj.weight.t())
+
+# %% ../nbs/02_decode.ipynb #c20fd662
+@patch
+def prefill(self: Qwen3Decoder, ids, pos, mask, cache) -> torch.Tensor:
+    "Logits `(S, V)` at the last position of left-padded prompts: ids, pos `(S, P)`, additive mask `(S, 1, P, P)`."
+    m, (S, P) = self.model.model, ids.shape
+    x = m.embed_tokens(ids).view(S * P, -1)  # (S*P, D): every token a row of the matmuls
+    rope = self.cos[pos].view(S * P, 1, -1), self.sin_rot[pos].view(S * P, 1, -1)
+    for i, layer in enumerate(m.layers):
+        x = self._mlp(i, layer, self._prefill_attention(i, layer, x, rope, mask, cache, S))
+    return F.linear(_norm(x.view(S, P, -1)[:, -1], m.norm.weight, self.eps), self.model.lm_head.weight)
+
+
+@patch
+def _prefill_attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache, S: int):
+    "x + self-attention of decoder layer `i` over `S` rows of prompt tokens: (S*P, D) -> (S*P, D)."
+    a, H, G, N = layer.self_attn, self.heads, self.kv_heads, x.shape[0]
+    d, (cos, sin_rot), heads = a.head_dim, rope, lambda t, n: t.reshape(S, N // S, n, d).transpose(1, 2)
+    qkv = F.linear(_norm(x, layer.input_layernorm.weight, self.eps), self.qkv[i]).view(N, H + 2 * G, d)
+    qk = _norm(
+        qkv[:, : H + G],
+        torch.cat([a.q_norm.weight.expand(H, d), a.k_norm.weight.expand(G, d)]),
+        a.q_norm.variance_epsilon,
+    )
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_rot)
+    K, V = cache.update(heads(qk[:, H:], G), heads(qkv[:, H + G :], G), i)  # (S, G, P, d)
+    out, _ = sdpa_attention_forward(a, heads(qk[:, :H], H), K, V, mask, scaling=a.scaling)  # (S, P, H, d)
+    return torch.addmm(x, out.reshape(N, H * d), a.o_proj.weight.t())
 
 # %% ../nbs/02_decode.ipynb #eb4a0dcc
 def cache_dims(model) -> tuple:

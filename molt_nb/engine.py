@@ -505,8 +505,8 @@ def _fail_running(self: TorchEngine, error: Exception | None):
 def _forward(self: TorchEngine, ids, pos, mask, cache):
     "Logits `(S, V)` at the last position; advances the cache."
     self._captured.clear()
-    if ids.shape[1] == 1 and self._fast:
-        logits = self._fast(ids, pos, mask, cache)
+    if self._fast:  # a decode step, or a prefill (the rows' prompts)
+        logits = self._fast(ids, pos, mask, cache) if ids.shape[1] == 1 else self._fast.prefill(ids, pos, mask, cache)
     else:
         kw = {self._cache_kw: cache}
         logits = self.model(

@@ -8,6 +8,7 @@ __all__ = ['SPECIAL_TOKENS', 'MARKER_TOKENS', 'CHAT_TEMPLATE', 'BYTE_OF', 'byte_
            'route_shape', 'token_pieces']
 
 # %% ../nbs/01_models.ipynb #db85727f
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,11 +244,26 @@ def _byte_level() -> dict:
 BYTE_OF = _byte_level()
 
 
-def token_pieces(tokenizer, ids: list) -> list:
-    "Each token's text on its own; a token that is not whole UTF-8 alone (part of a character) as its bytes, `\\xNN`"
+def _decoded_pieces(tokenizer, ids: list) -> list:
+    "The pieces `token_pieces` returns, decoded in one batched call"
     pieces = tokenizer.batch_decode([[i] for i in ids])
     for k in [k for k, p in enumerate(pieces) if '\ufffd' in p]:
         raw = tokenizer.convert_ids_to_tokens(ids[k])
         if raw and all(c in BYTE_OF for c in raw):
             pieces[k] = bytes(BYTE_OF[c] for c in raw).decode('utf-8', 'backslashreplace')
     return pieces
+
+
+_PIECES = weakref.WeakKeyDictionary()  # {tokenizer: {id: its piece}}, filled as ids are first seen
+
+
+def token_pieces(tokenizer, ids: list) -> list:
+    "Each token's text on its own; a token that is not whole UTF-8 alone (part of a character) as its bytes, `\\xNN`"
+    # every step logs the pieces of all its sampled tokens, drawn from few distinct ids: each id is decoded once per
+    # tokenizer (which, as for `molt_nb.chat`, is not changed once in use)
+    if not all(type(i) is int for i in ids):
+        return _decoded_pieces(tokenizer, ids)
+    known = _PIECES.setdefault(tokenizer, {})
+    if missing := [i for i in dict.fromkeys(ids) if i not in known]:
+        known.update(zip(missing, _decoded_pieces(tokenizer, missing)))
+    return [known[i] for i in ids]

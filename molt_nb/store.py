@@ -142,6 +142,22 @@ def token_columns(
     return out
 
 # %% ../nbs/19_store.ipynb #3347fbcb
+def _action_lists(trajectories: list) -> tuple:
+    "Per rollout: the ids, versions and behaviour logprobs of its action tokens, as lists"
+    fields = ('token_ids', 'versions', 'logprobs')
+    if not trajectories or not all(t.segments for t in trajectories):
+        return tuple([t.actions(f).tolist() for t in trajectories] for f in fields)  # raises as `actions` does
+    # one masked select for the whole step, not three per rollout
+    segs = [s for t in trajectories for s in t.segments]
+    mask = torch.cat([s.action_mask for s in segs])
+    owner = torch.arange(len(trajectories), device=mask.device).repeat_interleave(
+        torch.tensor([sum(map(len, t.segments)) for t in trajectories], device=mask.device)
+    )
+    ends = list(accumulate(torch.bincount(owner[mask], minlength=len(trajectories)).tolist()))
+    split = lambda flat: [flat[a:b] for a, b in zip([0, *ends], ends)]
+    return tuple(split(torch.cat([getattr(s, f) for s in segs])[mask].tolist()) for f in fields)
+
+
 def sample_frame(
     step: int,
     trajectories: list,  # the step's rollouts, in collate order
@@ -150,7 +166,7 @@ def sample_frame(
     train_routes=None,  # MoE: (rows, T, layers, top_k) the trainer's own expert choices, rows in collate order
 ) -> pd.DataFrame:
     "The SAMPLE_COLUMNS (and ROUTE_COLUMNS with `train_routes`) of the rollouts trained at `step`"
-    ids = [t.actions().tolist() for t in trajectories]
+    ids, versions, logprobs = _action_lists(trajectories)
     flat = token_pieces(tokenizer, [i for row in ids for i in row])
     starts = [0, *accumulate(map(len, ids))]
     tokens = tokens or {}
@@ -162,10 +178,10 @@ def sample_frame(
         reward=[t.reward for t in trajectories],
         text=tokenizer.batch_decode(ids),
         tokens=[len(a) for a in ids],
-        versions=[t.actions('versions').tolist() for t in trajectories],
+        versions=versions,
         token_ids=ids,
         pieces=[flat[a:b] for a, b in zip(starts, starts[1:])],
-        logp_behaviour=[t.actions('logprobs').tolist() for t in trajectories],
+        logp_behaviour=logprobs,
     )
     for k in (*TOKEN_COLUMNS, 'trained'):
         columns[k] = [tokens.get(t.rollout_id, {}).get(k) for t in trajectories]
