@@ -195,8 +195,12 @@ def main():
     asy_r = results.get('(c) molt-nb async')
     lines += [
         "",
-        f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = **{asy / floor:.2f}x** "
-        "(goal >= 0.8x)."
+        (
+            f"Ratios: async / sync = **{asy / sync:.2f}x** (goal >= 1.3x); async / single process = "
+            f"**{asy / floor:.2f}x** (goal >= 0.8x)."
+            if len(results) == 3
+            else ''
+        )
         + (
             f" Async engine idle **{asy_r['engine_idle']:.0%}**, of which starved **{asy_r['idle_starved']:.0%}** "
             f"(goal < 10%, median of {args.reps}); async max staleness {asy_r['staleness_max']:.0f}."
