@@ -273,19 +273,21 @@ async def generate(
 def _dead(self: Router, i: int, incarnation: int):
     "Slot `i` is dead, if the engine that failed is still the one in it (not one `revive` already replaced)"
     if self.alive[i] and self.incarnation[i] == incarnation:
+        self._tick()  # the idle clocks stop for it here
         self.alive[i] = False
         self.counters['deaths'] += 1
 
 # %% ../nbs/16_router.ipynb #1284bd58
 @patch
 def _tick(self: Router):
-    "Charge the time since the last tick to each live slot's idle clocks (`sync` once drained, else `backpressure`)"
+    """Charge the time since the last tick to each live slot's idle clocks: `sync` from the pause on (while a drain
+    runs, only for a slot with no request left to finish), `backpressure` while the pool holds back"""
     now = self.clock()
     dt, self._ticked = now - self._ticked, now
     for i, alive in enumerate(self.alive):
         if not alive:
             continue
-        if self.drained:
+        if self.drained or (self.paused and not self.inflight[i]):
             self.sync[i] += dt
         elif self.held and not self.paused and not self.inflight[i]:
             self.backpressure[i] += dt
@@ -406,6 +408,7 @@ async def revive(self: Router) -> list:
     dead = [i for i, a in enumerate(self.alive) if not a]
     if not dead:
         return []
+    self._tick()  # the idle clocks start for the replacements here
     for i in dead:
         if hasattr(self.engines[i].generate, 'remote'):  # the old process, if anything of it is left, goes first
             import ray
