@@ -6,10 +6,10 @@
 (c) molt-nb `async` on Ray (the pool samples while the trainer trains, staleness <= loop.max_staleness).
 
 Each arm runs RL for the same wall time and reports rollouts trained per second (evaluation time excluded),
-the engine's idle fraction and, on Ray, its causes (starved: the pool had room and nothing was draining;
-backpressure: the pool held back; sync: paused for the weights, see `Router.step_metrics`), and held-out accuracy
-at the start and the end (and the gain per minute). With --reps N the arms alternate N times and the table shows
-each figure's median over the repetitions.
+the engine's idle fraction and, on Ray, its causes (starved: groups were running and nothing was draining, yet
+the engine had no request; backpressure: the pool held back; sync: paused for the weights, see
+`Router.step_metrics`), and held-out accuracy at the start and the end (and the gain per minute). With --reps N
+the arms alternate N times and the table shows each figure's median over the repetitions.
 
     .venv/bin/python bench/async.py [--seconds 90] [--seed 0] [--reps 5] [--arms a,b,c] [--append bench/RESULTS.md]
 """
@@ -178,7 +178,8 @@ def main():
         "of wall time. "
         "Rollouts/s counts trained rollouts over the RL wall time without evaluations; engine idle is the fraction of "
         "that time the "
-        "engine thread was not computing, split on Ray by cause: starved (the pool had room, nothing was draining), "
+        "engine thread was not computing, split on Ray by cause: starved (groups were running, nothing was draining, "
+        "yet the engine had no request), "
         "backpressure (the pool held back: every place in flight held a finished group, or sync mode waited for the "
         "trainer), sync (paused for the weights). Threads: (a) and (b) trainer 2, engine 1 (they take turns); (c) "
         "trainer 1, engine 1.",
