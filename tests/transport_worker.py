@@ -77,3 +77,7 @@ if __name__ == '__main__':
     result = (send if rank == 0 else receive)(folder, group, plan)
     torch.save(result, f'{folder}/result_{rank}.pt')
     group.close()
+    # the result is on disk: leave without running C++ static destructors, where gloo's threads can still be joinable
+    # ('terminate called without an active exception', one receiver in two clean-clone runs, even after close())
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
