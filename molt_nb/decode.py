@@ -234,17 +234,25 @@ def _moe(self: Qwen3Decoder, i, mlp, h):
 
 # %% ../nbs/02_decode.ipynb #28c4150f
 @patch
-def _attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache):
-    "x + self-attention of decoder layer `i`, one token per row: (S, D) -> (S, D)."
-    a, S, H, G = layer.self_attn, x.shape[0], self.heads, self.kv_heads
-    d, (cos, sin_rot) = a.head_dim, rope
-    qkv = F.linear(_norm(x, layer.input_layernorm.weight, self.eps), self.qkv[i]).view(S, H + 2 * G, d)
+def _qk(self: Qwen3Decoder, i, layer, x, rope) -> tuple:
+    "Rotated, normed queries and keys `(N, H+G, d)` and the fused projection `(N, H+2G, d)` of token rows `x` (N, D)"
+    a, N, H, G, (cos, sin_rot) = layer.self_attn, x.shape[0], self.heads, self.kv_heads, rope
+    d = a.head_dim
+    qkv = F.linear(_norm(x, layer.input_layernorm.weight, self.eps), self.qkv[i]).view(N, H + 2 * G, d)
     qk = _norm(
         qkv[:, : H + G],
         torch.cat([a.q_norm.weight.expand(H, d), a.k_norm.weight.expand(G, d)]),
         a.q_norm.variance_epsilon,
     )
     qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_rot)
+    return qk, qkv
+
+
+@patch
+def _attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache):
+    "x + self-attention of decoder layer `i`, one token per row: (S, D) -> (S, D)."
+    a, S, H, G, d = layer.self_attn, x.shape[0], self.heads, self.kv_heads, layer.self_attn.head_dim
+    qk, qkv = self._qk(i, layer, x, rope)
     K, V = cache.update(qk[:, H:, None], qkv[:, H + G :, None], i)  # (S, G, n+1, d)
     n = K.shape[2]
     scores = torch.baddbmm(
@@ -271,14 +279,8 @@ def prefill(self: Qwen3Decoder, ids, pos, mask, cache) -> torch.Tensor:
 def _prefill_attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache, S: int):
     "x + self-attention of decoder layer `i` over `S` rows of prompt tokens: (S*P, D) -> (S*P, D)."
     a, H, G, N = layer.self_attn, self.heads, self.kv_heads, x.shape[0]
-    d, (cos, sin_rot), heads = a.head_dim, rope, lambda t, n: t.reshape(S, N // S, n, d).transpose(1, 2)
-    qkv = F.linear(_norm(x, layer.input_layernorm.weight, self.eps), self.qkv[i]).view(N, H + 2 * G, d)
-    qk = _norm(
-        qkv[:, : H + G],
-        torch.cat([a.q_norm.weight.expand(H, d), a.k_norm.weight.expand(G, d)]),
-        a.q_norm.variance_epsilon,
-    )
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin_rot)
+    d, heads = a.head_dim, lambda t, n: t.reshape(S, N // S, n, d).transpose(1, 2)
+    qk, qkv = self._qk(i, layer, x, rope)
     K, V = cache.update(heads(qk[:, H:], G), heads(qkv[:, H + G :], G), i)  # (S, G, P, d)
     out, _ = sdpa_attention_forward(a, heads(qk[:, :H], H), K, V, mask, scaling=a.scaling)  # (S, P, H, d)
     return torch.addmm(x, out.reshape(N, H * d), a.o_proj.weight.t())
