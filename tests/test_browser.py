@@ -33,15 +33,26 @@ def chromium() -> str:
     return shutil.which('chromium')
 
 
-def notebook(ray_dir: str, run_dir: str) -> dict:
+RECIPE = ROOT / 'recipes' / 'arith_moe'
+# a narrow IS band, so that some tokens of a short run lie beyond its edge (full colour) and the rest inside it
+BAND = ['algo.loss.is_correction.low=0.99', 'algo.loss.is_correction.high=1.01']
+
+
+def notebook(ray_dir: str, ckpt: str, run_dirs: tuple) -> dict:
+    "Two runs of the MoE recipe on a warm start: a short one with routing replay off, then a live one with it on"
+    base = [f'model.path="{ckpt}"', 'loop.eval_tasks=8', *BAND]
     cells = [
         "from molt_nb.config import load_config\nfrom molt_nb.controller import connect, launch\nfrom molt_nb.widgets "
         "import Dashboard",
         f"connect(temp_dir={ray_dir!r}, num_cpus=2)\n"
-        f"cfg = load_config({str(ROOT / 'recipes' / 'parity')!r}, ['loop.steps=100000', 'loop.mode=\"async\"', "
-        f"'loop.eval_tasks=8', 'algo.loss.is_correction.level=\"token\"', 'run_dir=\"{run_dir}\"'])\n"
-        "run = launch(cfg, name='browser')",
-        "dash = Dashboard(run, refresh_s=0.5)\ndash",
+        f"base = {base!r}\n"
+        f"off = launch(load_config({str(RECIPE)!r}, base + ['routing.replay=false', 'loop.steps=4', "
+        f"'run_dir=\"{run_dirs[0]}\"']), name='replay-off')\n"
+        "off.wait(timeout=300)\n"
+        f"run = launch(load_config({str(RECIPE)!r}, base + ['loop.steps=100000', 'run_dir=\"{run_dirs[1]}\"']), "
+        "name='replay-on')",
+        "dash = Dashboard(run, refresh_s=0.5, compare={'replay off': off})\ndash",
+        "Dashboard(off)",
     ]
     return dict(
         nbformat=4,
@@ -122,29 +133,64 @@ def run_all(page, tmp_path, tries: int = 3):
     raise AssertionError(f"Run All never started cell 1 (screenshots in {tmp_path})")
 
 
+def rgb(css: str) -> tuple:
+    return tuple(map(int, re.findall(r'\d+', css)[:3]))
+
+
+def hex_rgb(h: str) -> tuple:
+    return tuple(int(h[i : i + 2], 16) for i in (1, 3, 5))
+
+
+CHIPS = "els => els.map(e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)])"
+
+
+def routing_view(dash) -> dict:
+    "What one dashboard's routing tab shows: its note, the heatmap's cells and the agreement bars' values and heights"
+    return dict(
+        note=dash.get_by_text('routing replay:').first.inner_text(),
+        cells=dash.locator('.molt-routing svg.molt-heatmap rect.cell').count(),
+        bars=dash.locator('.molt-routing svg.molt-bars rect.bar').evaluate_all(
+            "els => els.map(e => [Number(e.dataset.value), e.getBBox().height])"
+        ),
+    )
+
+
 @pytest.mark.browser
 def test_dashboard_live_in_jupyterlab(lab, tmp_path):
+    """An MoE run's dashboard, live: curves follow the run with the replay-off run overlaid, token chips have their
+    ratio's colour (full at the IS band's edge, with a legend), and the routing heatmap and per-layer bars are drawn
+    with replay on and off"""
     from playwright.sync_api import sync_playwright
+    from molt_nb.config import load_config
+    from molt_nb.train import warm_start
+    from molt_nb.widgets import colour_edges
+    from dataclasses import asdict
 
     url, token, root = lab
     ray_dir = tempfile.mkdtemp(prefix='molt-br-')
-    (root / 'dash.ipynb').write_text(json.dumps(notebook(ray_dir, str(tmp_path / 'run'))))
+    ws = load_config(str(RECIPE), ['warm_start.steps=150', f'run_dir="{tmp_path / "warm"}"'])
+    ckpt, _ = warm_start(ws)  # the model answers in digits: chips a person can read
+    edges = colour_edges(asdict(load_config(str(RECIPE), BAND)))
+    (root / 'dash.ipynb').write_text(
+        json.dumps(notebook(ray_dir, str(ckpt), (str(tmp_path / 'off'), str(tmp_path / 'on'))))
+    )
     exe = chromium()
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, headless=True, args=FLAGS)
-            page = browser.new_page(viewport=dict(width=1400, height=1000))
+            page = browser.new_page(viewport=dict(width=1400, height=1400))
             try:
                 page.goto(f"{url}/lab/workspaces/w_dash/tree/dash.ipynb?reset&token={token}")
                 page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
                 page.get_by_text("| Idle").wait_for(timeout=60_000)
                 run_all(page, tmp_path)
-                status = page.locator(".molt-dashboard .molt-status")
-                status.wait_for(timeout=180_000)
-                tokens = page.locator(".molt-dashboard .molt-tokens span.tok")
+                live, done = page.locator(".molt-dashboard").nth(0), page.locator(".molt-dashboard").nth(1)
+                status = live.locator(".molt-status")
+                status.wait_for(timeout=240_000)
+                tokens = live.locator(".molt-tokens span.tok")
                 tokens.first.wait_for(timeout=60_000)
                 first_step, t0 = int(status.get_attribute('data-step')), time.time()
-                curve = page.locator(".molt-dashboard .molt-curves svg").first
+                curve = live.locator(".molt-curves svg").first
                 first_curve = int(curve.get_attribute('data-last'))
                 page.screenshot(path=str(tmp_path / 'dashboard_mid.png'))
                 page.wait_for_function(
@@ -153,43 +199,50 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
                     polling=250,
                 )
                 later_step, t1 = int(status.get_attribute('data-step')), time.time()
-                pairs = tokens.evaluate_all(
-                    "els => els.map(e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)])"
-                )  # one read: the view redraws as the run steps
-                colours, ratios = [c for c, _ in pairs], [r for _, r in pairs]
+                pairs = tokens.evaluate_all(CHIPS)  # one read: the view redraws as the run steps
                 later_curve = int(curve.get_attribute('data-last'))
+                overlaid = live.locator(".molt-curves svg").first.text_content()
                 texts = tokens.all_inner_texts()
-                versions = [
-                    int(v)
-                    for v in page.locator(".molt-dashboard .molt-head")
-                    .first.inner_text()
-                    .rsplit('versions ', 1)[1]
-                    .split('..')
-                ]
-                page.screenshot(path=str(tmp_path / 'dashboard.png'))
+                legend = live.locator(".molt-legend .swatch").evaluate_all(CHIPS)
+                # the sample holding the step's largest |log ratio| token, that token outlined
+                live.get_by_role('button', name='next outlier').click()
+                outlier = live.locator(".molt-tokens span.tok.outlier")
+                outlier.wait_for(timeout=30_000)
+                out_colour, out_ratio = outlier.evaluate(
+                    "e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)]"
+                )
+                on, off = routing_view(live), routing_view(done)
+                page.screenshot(path=str(tmp_path / 'dashboard.png'), full_page=True)
             except Exception:
-                page.screenshot(path=str(tmp_path / 'failure.png'))
+                page.screenshot(path=str(tmp_path / 'failure.png'), full_page=True)
                 raise
             browser.close()
     finally:
         stop_session([ray_dir])
+    colours, ratios = [c for c, _ in pairs], [r for _, r in pairs]
     print(f"screenshots: {tmp_path / 'dashboard_mid.png'} {tmp_path / 'dashboard.png'}")
     print(
-        f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; token view shows versions {versions}, log "
-        f"ratios {ratios}, colours {colours}"
+        f"dashboard steps {first_step} -> {later_step} in {t1 - t0:.1f} s; log ratios {ratios}, colours {colours}; "
+        f"legend {legend}; outlier {out_ratio} {out_colour}; routing on {on}, off {off}"
     )
     assert later_step >= first_step + 3  # the curves' header followed the run
     assert later_curve > first_curve  # and the curves were redrawn with the new steps
-    assert len(colours) > 0 and all(
-        c.startswith('rgb') and c != 'rgba(0, 0, 0, 0)' for c in colours
-    )  # every token chip is coloured
-    expected = [tuple(int(h[i : i + 2], 16) for i in (1, 3, 5)) for h in ratio_colours(ratios, 0.5)]
-    shown = [tuple(map(int, re.findall(r'\d+', c)[:3])) for c in colours]
-    assert all(max(abs(a - b) for a, b in zip(e, c)) <= 2 for e, c in zip(expected, shown)), (
-        ratios,
-        colours,
-    )  # each chip's colour is its log ratio's
-    assert texts and not any(
-        '\ufffd' in t for t in texts
-    )  # every chip shows its token (bytes of a split character as \xNN)
+    assert 'this run' in overlaid and 'replay off' in overlaid  # the replay-off run's reward overlaid
+    full = {hex_rgb(h) for h in ratio_colours(list(edges), edges)}
+    assert len(colours) > 0 and all(c.startswith('rgb') and c != 'rgba(0, 0, 0, 0)' for c in colours)
+    expected = [hex_rgb(h) for h in ratio_colours(ratios, edges)]
+    shown = [rgb(c) for c in colours]
+    assert all(max(abs(a - b) for a, b in zip(e, c)) <= 2 for e, c in zip(expected, shown)), (ratios, colours)
+    # the outlier lies beyond the band's edge (0.99..1.01) and shows the full colour; the legend's ends are the
+    # edges at full colour and its middle, ratio 1, is white
+    assert abs(out_ratio) >= min(map(abs, edges)) and rgb(out_colour) in full, (out_ratio, out_colour, edges)
+    assert [rgb(legend[0][0]), rgb(legend[-1][0])] == [hex_rgb(h) for h in ratio_colours(list(edges), edges)]
+    assert [(rgb(c), r) for c, r in legend if r == 0] == [((255, 255, 255), 0.0)], legend
+    assert texts and not any('\ufffd' in t for t in texts)  # every chip shows its token
+    # the routing tab: a heatmap with cells and one bar per layer (4), each with its agreement drawn
+    for view, replay in ((on, 'on'), (off, 'off')):
+        assert f'routing replay: {replay}' in view['note'], view
+        assert view['cells'] >= 4, view
+        assert len(view['bars']) == 4 and all(0 < v <= 1 and h > 0 for v, h in view['bars']), view
+    assert all(v >= 0.999 for v, _ in on['bars'])  # replay on: training used the rollout's experts
     assert (tmp_path / 'dashboard.png').stat().st_size > 10_000
