@@ -18,6 +18,29 @@ STEPS, SAMPLES_EVERY, SAMPLES_ROWS = 4, 2, 3
 NAMES = ['reward', 'train/loss', 'engine_idle/starved', 'engine_idle', 'pass@1', 'eval']
 
 
+TINY = [
+    'loop.eval_tasks=2',
+    'rollout.groups_per_step=2',
+    'rollout.n_samples=2',
+    'rollout.groups_in_flight=4',
+    'train.micro_batch_rows=4',
+    'trackers.tensorboard="tensorboard"',
+    'trackers.wandb="wandb"',
+    'trackers.mlflow="file:mlruns"',
+]
+
+
+def run_here(cfg, from_checkpoint: bool = False) -> Orchestrator:
+    "Run `cfg` to its end in this process (an `Orchestrator` and a `Trainer`, no Ray); the orchestrator"
+    orch = Orchestrator(cfg, Trainer(cfg), from_checkpoint)
+    try:
+        asyncio.run(orch.run())
+    finally:
+        orch.close()
+    assert orch.trackers.first_error is None, orch.trackers.first_error
+    return orch
+
+
 @pytest.fixture(scope='module')
 def tracked(tmp_path_factory):
     "A short sync run of the parity recipe, in this process, with the three trackers; (its config, its store)"
@@ -27,25 +50,13 @@ def tracked(tmp_path_factory):
         [
             f'run_dir="{run_dir}"',
             f'loop.steps={STEPS}',
-            'loop.eval_tasks=2',
-            'rollout.groups_per_step=2',
-            'rollout.n_samples=2',
-            'rollout.groups_in_flight=4',
-            'train.micro_batch_rows=4',
-            'trackers.tensorboard="tensorboard"',
-            'trackers.wandb="wandb"',
-            'trackers.mlflow="file:mlruns"',
+            *TINY,
             'trackers.experiment="parity-test"',
             f'trackers.samples_every={SAMPLES_EVERY}',
             f'trackers.samples_rows={SAMPLES_ROWS}',
         ],
     )
-    orch = Orchestrator(cfg, Trainer(cfg))
-    try:
-        asyncio.run(orch.run())
-    finally:
-        orch.close()
-    assert orch.trackers.first_error is None, orch.trackers.first_error
+    run_here(cfg)
     return cfg, RunStore(cfg.run_dir)
 
 
@@ -108,6 +119,16 @@ def test_mlflow_holds_the_store(tracked):
     assert [r[1] for r in table['data']] == list(store.samples(2).rollout_id[:SAMPLES_ROWS])
 
 
+def mlflow_history(cfg, name: str) -> list:
+    "(step, value) of every point MLflow holds for metric `name` of the run in `cfg`'s run directory"
+    from mlflow import MlflowClient
+
+    os.environ.setdefault('MLFLOW_ALLOW_FILE_STORE', 'true')
+    client = MlflowClient(tracking_uri=(Path(cfg.run_dir) / 'mlruns').as_uri())
+    run_id = json.loads((Path(cfg.run_dir) / 'trackers.json').read_text())['mlflow']
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+
+
 WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-style log of 32 KiB blocks, each record a protobuf `Record`
 
 
@@ -137,13 +158,9 @@ def wandb_records(path: str):
 def test_wandb_offline_holds_the_store(tracked):
     cfg, store = tracked
     (run_file,) = glob.glob(str(Path(cfg.run_dir) / 'wandb' / 'wandb' / 'offline-run-*' / '*.wandb'))
-    history, config = {}, {}
+    history, config = wandb_history(run_file), {}
     for r in wandb_records(run_file):
-        kind = r.WhichOneof('record_type')
-        if kind == 'history':
-            items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            history.setdefault(items['_step'], {}).update(items)
-        elif kind == 'run':
+        if r.WhichOneof('record_type') == 'run':
             config |= {i.key: json.loads(i.value_json) for i in r.run.config.update}
     assert config['rollout']['n_samples'] == 2 and config['trackers']['wandb'] == 'wandb'
     for name in NAMES:
@@ -154,6 +171,61 @@ def test_wandb_offline_holds_the_store(tracked):
     table = json.loads((Path(run_file).parent / 'files' / tables[2]['samples/path']).read_text())
     assert table['columns'] == list(SAMPLE_TABLE_COLUMNS)
     assert [r[1] for r in table['data']] == list(store.samples(2).rollout_id[:SAMPLES_ROWS])
+
+
+def wandb_history(run_file: str) -> dict:
+    "step -> what the offline run `run_file` logged at it"
+    history = {}
+    for r in wandb_records(run_file):
+        kind = r.WhichOneof('record_type')
+        if kind == 'history':
+            items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(items['_step'], {}).update(items)
+    return history
+
+
+def test_resumed_run_continues_the_tracked_runs(tmp_path):
+    """A run interrupted after step 3 with its checkpoint at step 2 resumes to step 4: TensorBoard shows each step
+    once (the resumed values), MLflow continues the same run and keeps both values of step 3, W&B continues the same
+    run id in a second offline directory"""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = load_config(PARITY, [f'run_dir="{tmp_path / "run"}"', *TINY, 'loop.steps=3', 'train.checkpoint_every=2'])
+    run_here(first)
+    ids = json.loads((tmp_path / 'run' / 'trackers.json').read_text())
+    ckpts = tmp_path / 'run' / 'checkpoints'
+    at_2 = [
+        p
+        for p in ckpts.iterdir()
+        if (p / 'state.json').exists() and json.loads((p / 'state.json').read_text())['step'] == 2
+    ]
+    (ckpts / 'latest').write_text(at_2[0].name)  # as if it had been killed after step 3, before its last checkpoint
+    before = dict(mlflow_history(first, 'reward'))
+    cfg = load_config(PARITY, [f'run_dir="{tmp_path / "run"}"', *TINY, 'loop.steps=4', 'train.checkpoint_every=2'])
+    run_here(cfg, from_checkpoint=True)
+    store = RunStore(cfg.run_dir)
+    assert list(store.metrics().step) == [0, 1, 2, 3, 4]
+    assert json.loads((tmp_path / 'run' / 'trackers.json').read_text()) == ids  # the same tracked runs
+
+    acc = EventAccumulator(str(tmp_path / 'run' / 'tensorboard'), size_guidance={'scalars': 0})
+    acc.Reload()
+    same({e.step: e.value for e in acc.Scalars('reward')}, expected(store, 'reward'), 'reward')
+    assert [e.step for e in acc.Scalars('reward')] == [1, 2, 3, 4]  # step 3 of the first start was purged
+
+    points = mlflow_history(cfg, 'reward')
+    assert [s for s, _ in points] == [1, 2, 3, 3, 4]
+    assert sorted(v for s, v in points if s == 3) == sorted([before[3], expected(store, 'reward')[3]])
+
+    runs = sorted(glob.glob(str(tmp_path / 'run' / 'wandb' / 'wandb' / 'offline-run-*' / '*.wandb')))
+    assert len(runs) == 2 and all(Path(r).stem == f"run-{ids['wandb']}" for r in runs)
+    # the resumed start's directory is the latest (a start within the same second as the first gets a '-1' suffix)
+    (latest,) = glob.glob(str(tmp_path / 'run' / 'wandb' / 'wandb' / 'latest-run' / '*.wandb'))
+    resumed = wandb_history(latest)
+    same(
+        {s: row['reward'] for s, row in resumed.items() if 'reward' in row},
+        {3: expected(store, 'reward')[3], 4: expected(store, 'reward')[4]},
+        'reward',
+    )
 
 
 # Unit level: a tracker that is stuck or raises never holds up, nor raises into, the loop's `log`
