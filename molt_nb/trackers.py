@@ -226,8 +226,13 @@ class Trackers:
             self.thread = threading.Thread(target=self._work, name='molt-trackers', daemon=True)
             self.thread.start()
 
+    @property
+    def running(self) -> bool:
+        "Whether items are taken: begun and not closed (never, without sinks)"
+        return self.thread is not None and not self.closed
+
     def _put(self, item: tuple):
-        if self.thread is None or self.closed:
+        if not self.running:
             return
         try:
             self.queue.put_nowait(item)
@@ -236,11 +241,15 @@ class Trackers:
 
     def log(self, row: dict):
         "Send metrics row `row` (a copy) to the sinks"
+        if not self.running:
+            return
         self.last = dict(row)
         self._put(('log', row['step'], self.last))
 
     def amend(self, row: dict):
         "Send what `row`, the last row logged and since completed (its final evaluation), adds to it"
+        if not self.running:
+            return
         changed = {k: v for k, v in row.items() if k not in self.last or self.last[k] != v}
         self.last = dict(row)
         if changed:
@@ -278,10 +287,9 @@ def _work(self: Trackers):
             self._error(sink, 'open', e)
     while (item := self.queue.get()) is not None:
         kind, step, payload = item
-        values = tracked_values(payload) if kind == 'log' else payload
         for sink in sinks:
-            try:
-                getattr(sink, kind)(step, values)
+            try:  # the values are taken apart inside the guard, and anew for each sink (one may change them)
+                getattr(sink, kind)(step, tracked_values(payload) if kind == 'log' else payload)
             except Exception as e:
                 self._error(sink, kind, e)
     for sink in sinks:

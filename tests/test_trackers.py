@@ -35,6 +35,7 @@ def run_here(cfg, from_checkpoint: bool = False) -> Orchestrator:
     orch = Orchestrator(cfg, Trainer(cfg), from_checkpoint)
     try:
         asyncio.run(orch.run())
+        assert not orch.trackers.thread.is_alive()  # the run's end flushed and closed them (not only `close`)
     finally:
         orch.close()
     assert orch.trackers.first_error is None, orch.trackers.first_error
@@ -228,6 +229,40 @@ def test_resumed_run_continues_the_tracked_runs(tmp_path):
     )
 
 
+def test_stopped_run_flushes(tmp_path):
+    "A run the pool stops (its train rollouts fail) still flushes every step it logged to the trackers"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from molt_nb.pool import RunStopped
+
+    recipe = tmp_path / 'recipe'
+    recipe.mkdir()
+    (recipe / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
+    src = (PARITY / 'agent.py').read_text()
+    old = "    async def reset(self, task):\n        return task['prompt']"
+    assert old in src
+    broken = "    async def reset(self, task):\n        if int(task['prompt'][:-1]) < 1000 and next(_trains) >= 12:\n"
+    broken += "            raise ConnectionError('scorer service is down')\n        return task['prompt']"
+    (recipe / 'agent.py').write_text("import itertools\n_trains = itertools.count()\n" + src.replace(old, broken))
+    cfg = load_config(
+        recipe,
+        [f'run_dir="{tmp_path / "run"}"', *TINY[:5], 'trackers.tensorboard="tb"', 'loop.steps=1000']
+        + ['rollout.failure_window=8', 'loop.mode="async"', 'loop.max_staleness=8'],
+    )
+    orch = Orchestrator(cfg, Trainer(cfg))
+    try:
+        with pytest.raises(RunStopped, match='scorer service is down'):
+            asyncio.run(orch.run())
+        assert not orch.trackers.thread.is_alive()  # flushed and closed by the stop itself
+    finally:
+        orch.close()
+    acc = EventAccumulator(str(tmp_path / 'run' / 'tb'), size_guidance={'scalars': 0})
+    acc.Reload()
+    store = RunStore(cfg.run_dir)
+    assert orch.step >= 1
+    same({e.step: e.value for e in acc.Scalars('reward')}, expected(store, 'reward'), 'reward')
+    assert max(expected(store, 'reward')) == orch.step
+
+
 # Unit level: a tracker that is stuck or raises never holds up, nor raises into, the loop's `log`
 
 
@@ -280,3 +315,22 @@ def test_raising_tracker_is_counted(tmp_path):
     assert trackers.metrics() == {'trackers/dropped': 0.0, 'trackers/errors': 50.0}
     assert trackers.first_error == 'stuck log: OSError: disk full'
     trackers.log({'step': 50, 'reward': 0.5})  # after close: ignored, never raises
+
+
+class Recording(Stuck):
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, values):
+        self.logged.append((step, values))
+
+
+def test_nan_none_and_text_never_reach_a_tracker(tmp_path):
+    "a row's NaN, None and non-numbers are left out, numbers arrive as floats, `step` is the step, not a metric"
+    rec = Recording()
+    trackers = Trackers([rec])
+    trackers.begin(TrackedRun('t', 'e', {}, tmp_path))
+    trackers.log({'step': 7, 'reward': 1, 'eval': float('nan'), 'kl': None, 'note': 'x', 'train/loss': 0.25})
+    assert trackers.close() is True
+    assert rec.logged == [(7, {'reward': 1.0, 'train/loss': 0.25})]
+    assert type(rec.logged[0][1]['reward']) is float
