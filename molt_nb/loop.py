@@ -20,6 +20,7 @@ from .pool import Failures, Pool, RunStopped, reason_of, traceback_of, within
 from .config import RunConfig, build_policy, policy_tokenizer, train_backend
 from .recipe import recipe_parts
 from .store import RunStore, sample_frame, token_columns
+from .trackers import sample_table, tracked_run, trackers_of
 from .swaps import SwapFailed, in_use, install, with_algo
 
 # %% ../nbs/21_loop.ipynb #b47972d4
@@ -432,6 +433,7 @@ class Orchestrator:
         self.runner, self.sampling = parts.runner, parts.sampling
         self.train_tasks, self.eval_tasks = parts.train_tasks, parts.eval_tasks
         self.store = RunStore(cfg.run_dir)
+        self.trackers = trackers_of(cfg)  # mirrors of the metrics rows (`molt_nb.trackers`); none by default
         self.record = {} if cfg.loop.debug else None  # rollout id -> the engine's generations (loop.debug)
         self.step = 0  # steps trained
         self.last_eval = None  # the last held-out evaluation
@@ -474,6 +476,7 @@ class Orchestrator:
         return collate(trajectories, self.engine.vocab_size)
 
     def close(self):
+        self.trackers.close()  # already closed when `run` ended
         self.engine.close()
 
 # %% ../nbs/21_loop.ipynb #1202f442
@@ -513,6 +516,8 @@ async def _start(self: Orchestrator) -> dict:
     else:
         self.store.reset()
         self.store.write_config(self.cfg)
+    # a resumed run's trackers continue after its checkpoint's step (TensorBoard hides what came after it)
+    self.trackers.begin(tracked_run(self.cfg, self.step, self.from_checkpoint))
     await self.engine.sync_weights(self.call, self.transport, (await self.call('state'))['version'])
     return state
 
@@ -615,6 +620,7 @@ def _metrics(
         failure_rate=pool.failures.rate,
         **{f"pool/{k}": float(v) for k, v in pool.counters.items()},
         **self.boundary.metrics(self.step),
+        **self.trackers.metrics(),  # trackers/dropped, trackers/errors: what the trackers lost so far
     )
 
 # %% ../nbs/21_loop.ipynb #3dc0bf43
@@ -665,6 +671,7 @@ async def _last(self: Orchestrator, pool: Pool, row: dict, saved: bool, final_ev
     if final_eval and 'eval' not in row:
         row = await self._evaluate(row)
         self.store.amend(row)
+        self.trackers.amend(row)
     if not saved:
         await self.save(pool.state())
     return row
@@ -730,6 +737,7 @@ async def run(self: Orchestrator) -> dict:
     finally:
         await pool.close()
         self._flush()
+        await asyncio.to_thread(self.trackers.close)  # flush them: the run ended, was stopped or failed
     return row
 
 
@@ -763,6 +771,7 @@ async def _begin(self: Orchestrator) -> tuple:
     self._last_end = time.perf_counter()  # the first step's start
     if not self.store.rows or self.store.rows[-1]['step'] < self.step:
         self.store.log(row)
+        self.trackers.log(row)
     return pool, row
 
 
@@ -777,10 +786,15 @@ async def _finish(
     end = time.perf_counter()
     row = self._metrics(work, out, pool, end - self._last_end, end - start, report)
     self._last_end = end
-    self.store.add_samples(sample_frame(self.step, work.trajectories, self.tokenizer, out.tokens, out.train_routes))
+    samples = sample_frame(self.step, work.trajectories, self.tokenizer, out.tokens, out.train_routes)
+    self.store.add_samples(samples)
+    t = self.cfg.trackers
+    if t.samples_every and self.step % t.samples_every == 0:
+        self.trackers.samples(self.step, sample_table(samples, t.samples_rows))
     if (last and not stopped) or (loop_cfg.eval_every and self.step % loop_cfg.eval_every == 0):
         row = await self._evaluate(row)
     self.store.log(row)
+    self.trackers.log(row)
     if last or checkpoint:
         await self.save(pool.state())
     elif self.step % loop_cfg.flush_every == 0:
