@@ -12,7 +12,8 @@ those ratios. Short windows, many pairs: the run's own rate wanders by +-10% ove
 sending the widgets' new values to a browser (here no front end is attached, so ipywidgets drops them) and the
 browser's own drawing; in a notebook both add to the dashboard's cost on the machine that runs the kernel.
 
-    .venv/bin/python bench/controller.py [--window 3] [--pairs 40] [--refresh 1.0] [--append bench/RESULTS.md]
+    .venv/bin/python bench/controller.py [--window 3] [--pairs 40] [--refresh 1.0] [--smooth 0.6] [--compare]
+        [--append bench/RESULTS.md]
 """
 
 import argparse, datetime, os, platform, random, resource, statistics, tempfile, time
@@ -43,6 +44,8 @@ def main():
     ap.add_argument('--window', type=float, default=3.0)
     ap.add_argument('--pairs', type=int, default=40)
     ap.add_argument('--refresh', type=float, default=1.0)
+    ap.add_argument('--smooth', type=float, default=0.0, help="the curves' smoothing (the dashboard's slider)")
+    ap.add_argument('--compare', action='store_true', help="overlay a second run's curves (the run's own store)")
     ap.add_argument('--append')
     a = ap.parse_args()
     connect(temp_dir=tempfile.mkdtemp(prefix='molt-bench-'))
@@ -59,7 +62,9 @@ def main():
     try:
         while run.status()['step'] < 20:
             time.sleep(0.5)  # warm-up: start-up and the first steps are not measured
-        dash = Dashboard(run, refresh_s=a.refresh, live=False)
+        dash = Dashboard(
+            run, refresh_s=a.refresh, live=False, smooth=a.smooth, compare={'store': cfg.run_dir} if a.compare else None
+        )
         windows = []
         for w in range(2 * a.pairs + 1):
             on = bool(w % 2)
@@ -123,18 +128,22 @@ def main():
             f"{k.removeprefix('time_')} {phases[False][k]:.2f} -> {phases[True][k]:.2f}" for k in phases[True]
         )
         share = 100 * (cpu_on - cpu_off) / os.cpu_count()
+        command = (
+            f"{' '.join(['.venv/bin/python', 'bench/controller.py', f'--window {a.window:g}', f'--pairs {a.pairs}'])} "
+            f"--refresh {a.refresh:g} --smooth {a.smooth:g}{' --compare' if a.compare else ''}"
+        )
+        overlay = "; a second run overlaid: the run's own store, read from disk" if a.compare else ''
         text = f"""
 
 ## Controller: what a live dashboard costs ({datetime.date.today()})
 
-`.venv/bin/python bench/controller.py --window {a.window:g} --pairs {a.pairs} --refresh {a.refresh:g}` on {where}
-({os.cpu_count()} cores, no GPU):
-recipes/parity launched once through `molt_nb.controller.launch` on a private local Ray; after 20 warm-up steps,
-{a.window:g} s windows alternate dashboard off / on / off ...; in an "on" window the benchmark process (the notebook
-kernel's stand-in, on the same 2 cores as the run) does the dashboard's poll every {a.refresh:g} s: new metrics rows
-fetched, curves redrawn, the newest step's samples fetched and drawn. Rollouts trained per second, from the
-run's metrics clock; each "on" window against the mean of the "off" windows on either side. The {a.pairs} pairs'
-on/off ratios, sorted: {' '.join(f'{r:.2f}' for r in sorted(ratios))}.
+`{command}` on {where} ({os.cpu_count()} cores, no GPU): recipes/{Path(a.recipe).name} launched once through
+`molt_nb.controller.launch` on a private local Ray; after 20 warm-up steps, {a.window:g} s windows alternate dashboard
+off / on / off ...; in an "on" window the benchmark process (the notebook kernel's stand-in, on the same 2 cores as the
+run) does the dashboard's poll every {a.refresh:g} s: new metrics rows fetched, curves redrawn (smoothing
+{a.smooth:g}{overlay}), the newest step's samples fetched and drawn. Rollouts trained per second, from the run's
+metrics clock; each "on" window against the mean of the "off" windows on either side. The {a.pairs} pairs' on/off
+ratios, sorted: {' '.join(f'{r:.2f}' for r in sorted(ratios))}.
 
 Where a step's time goes (ms, median over windows), off -> on: {moves}.
 Median on/off = {ratio:.3f} (90% bootstrap interval {lo:.3f}..{hi:.3f}).

@@ -28,12 +28,18 @@ class StoreSource:
 
     def __init__(self, store):
         self.store = store if isinstance(store, RunStore) else RunStore(store)
+        self._read = (None, None)  # the metrics file's (mtime, size) when last read, and what it held
 
     def metrics(self, since: int | None = None) -> pd.DataFrame:
-        if not (self.store.root / 'metrics.parquet').exists():
+        "The metrics rows after step `since` (all with None); the file is read again only when it changed"
+        path = self.store.root / 'metrics.parquet'
+        if not path.exists():
             return pd.DataFrame(columns=['step'])
-        m = self.store.metrics()
-        return m if since is None else m[m.step > since].reset_index(drop=True)
+        st = path.stat()
+        if self._read[0] != (st.st_mtime_ns, st.st_size):  # a finished run's store is read once, not at every poll
+            self._read = ((st.st_mtime_ns, st.st_size), self.store.metrics())
+        m = self._read[1]
+        return m.copy() if since is None else m[m.step > since].reset_index(drop=True)
 
     def samples(self, step: int | None = None) -> pd.DataFrame:
         return self.store.samples(step)
