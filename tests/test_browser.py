@@ -144,6 +144,19 @@ def hex_rgb(h: str) -> tuple:
 CHIPS = "els => els.map(e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)])"
 
 
+def chips(loc, tries: int = 20) -> list:
+    """(computed background, log ratio) of every element of `loc`, in one read of the page, taken once all are drawn:
+    the view redraws as the run steps, and an element not drawn yet (scrolled out of JupyterLab's window) has no
+    computed style"""
+    for _ in range(tries):
+        loc.first.scroll_into_view_if_needed()
+        got = loc.evaluate_all(CHIPS)
+        if got and all(c for c, _ in got):
+            return got
+        time.sleep(0.25)
+    return got
+
+
 def routing_view(dash) -> dict:
     "What one dashboard's routing tab shows: its note, the heatmap's cells and the agreement bars' values and heights"
     return dict(
@@ -199,11 +212,11 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
                     polling=250,
                 )
                 later_step, t1 = int(status.get_attribute('data-step')), time.time()
-                pairs = tokens.evaluate_all(CHIPS)  # one read: the view redraws as the run steps
+                pairs = chips(tokens)
                 later_curve = int(curve.get_attribute('data-last'))
                 overlaid = live.locator(".molt-curves svg").first.text_content()
                 texts = tokens.all_inner_texts()
-                legend = live.locator(".molt-legend .swatch").evaluate_all(CHIPS)
+                legend = chips(live.locator(".molt-legend .swatch"))
                 # the sample holding the step's largest |log ratio| token, that token outlined
                 live.get_by_role('button', name='next outlier').click()
                 outlier = live.locator(".molt-tokens span.tok.outlier")
@@ -211,6 +224,7 @@ def test_dashboard_live_in_jupyterlab(lab, tmp_path):
                 out_colour, out_ratio = outlier.evaluate(
                     "e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)]"
                 )
+                pairs += chips(tokens)  # a trained sample's chips (the newest step's may not be)
                 on, off = routing_view(live), routing_view(done)
                 page.screenshot(path=str(tmp_path / 'dashboard.png'), full_page=True)
             except Exception:
