@@ -234,15 +234,12 @@ def test_stopped_run_flushes(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from molt_nb.pool import RunStopped
 
-    recipe = tmp_path / 'recipe'
-    recipe.mkdir()
-    (recipe / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
-    src = (PARITY / 'agent.py').read_text()
-    old = "    async def reset(self, task):\n        return task['prompt']"
-    assert old in src
-    broken = "    async def reset(self, task):\n        if int(task['prompt'][:-1]) < 1000 and next(_trains) >= 12:\n"
-    broken += "            raise ConnectionError('scorer service is down')\n        return task['prompt']"
-    (recipe / 'agent.py').write_text("import itertools\n_trains = itertools.count()\n" + src.replace(old, broken))
+    from test_loop import parity_with
+
+    # train rollouts fail from the 13th on (evaluations go on): the pool stops the run
+    recipe = parity_with(
+        tmp_path, "if not evaluating and next(_trains) >= 12: raise ConnectionError('scorer service is down')"
+    )
     cfg = load_config(
         recipe,
         [f'run_dir="{tmp_path / "run"}"', *TINY[:5], 'trackers.tensorboard="tb"', 'loop.steps=1000']
