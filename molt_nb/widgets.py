@@ -265,9 +265,10 @@ def has_routes(samples: pd.DataFrame) -> bool:
     )
 
 # %% ../nbs/25_widgets.ipynb #d0746bd0
-def metric_layers(row: pd.Series) -> pd.Series:
-    "Per-layer agreement from a metrics row's per-layer columns (`molt_nb.routing.layer_metric`), by layer"
-    return pd.Series(layer_metrics(row), dtype=float)
+def metric_layers(row: pd.Series, name: str = 'agreement') -> pd.Series:
+    """Per-layer `name` from a metrics row's per-layer columns (`molt_nb.routing.layer_metric`), by layer: 'agreement'
+    (the routes training used) or 'natural_agreement' (the trainer's own router, which replay overrides)"""
+    return pd.Series(layer_metrics(row, name), dtype=float)
 
 # %% ../nbs/25_widgets.ipynb #104ea577
 def group_table(samples: pd.DataFrame, group_id: str) -> pd.DataFrame:
@@ -671,9 +672,13 @@ def ratios_svg(samples: pd.DataFrame, cfg: dict | None = None, bins: int = 40) -
 
 
 def routing_html(row, metrics_row: pd.Series | None) -> str:
-    "One sample's layer x token disagreement heatmap and the per-layer agreement bars"
+    """One sample's layer x token disagreement heatmap and the step's per-layer agreement bars, both of the trainer's
+    own router with the rollout's (`train_routes`; with replay on, training used the rollout's routes instead)"""
     d = routing_disagreement(row['routes'], row['train_routes'])
-    layers = metric_layers(metrics_row) if metrics_row is not None else pd.Series(dtype=float)
+    layers = pd.Series(dtype=float)
+    if metrics_row is not None:
+        layers = metric_layers(metrics_row, 'natural_agreement')
+        layers = layers if len(layers) else metric_layers(metrics_row)  # a store from before the natural metrics
     if not len(layers):
         layers = pd.Series(1 - np.nanmean(d, axis=1))
     bars = svg_bars(
@@ -1031,8 +1036,13 @@ def _show_sample(self: Dashboard, highlight: int | None = None):
     m = self.metrics[self.metrics.step == self.step]
     mrow = m.iloc[-1] if len(m) else None
     replay = 'on' if mrow is not None and mrow.get('routing/replay', 0) == 1 else 'off'
-    agreement = mrow.get('routing/agreement', float('nan')) if mrow is not None else float('nan')
-    self.routing_note.value = f"routing replay: <b>{replay}</b> | step agreement {agreement:.4f}"
+    get = lambda k: float(mrow.get(k, float('nan'))) if mrow is not None else float('nan')
+    used, own = get('routing/agreement'), get('routing/natural_agreement')
+    own = used if own != own else own
+    self.routing_note.value = (
+        f"routing replay: <b>{replay}</b> | step agreement {used:.4f} (the routes training used) | the trainer's own "
+        f"router: {own:.4f}, drawn below{' (replay overrode it)' if replay == 'on' else ''}"
+    )
     self.routing.value = routing_html(row, mrow)
 
 
