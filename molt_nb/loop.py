@@ -702,7 +702,11 @@ def _stalled(self: Orchestrator, pool: Pool, row: dict) -> str:
 async def run(self: Orchestrator) -> dict:
     "Run the loop to its end; the last metrics row"
     loop_cfg = self.cfg.loop
-    pool, row = await self._begin()
+    try:
+        pool, row = await self._begin()
+    except BaseException:  # the trackers may have started: closed off the event loop, as at any other end
+        await asyncio.to_thread(self.trackers.close)
+        raise
     first, stopped = self.step, None  # stopped: a RunStopped from the pool, raised once the steps so far are saved
     try:
         work = await self._collect(pool, self.engine.version) if self._more() else None

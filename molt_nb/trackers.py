@@ -102,7 +102,10 @@ class TensorBoardSink:
     def open(self, run: TrackedRun):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.log_dir), purge_step=run.step + 1 if run.resume else None, flush_secs=10)
+        # a fresh run hides every step an earlier run in this directory logged (0), a resumed one what came after its
+        # checkpoint
+        purge = run.step + 1 if run.resume else 0
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=purge, flush_secs=10)
 
     def log(self, step: int, values: dict):
         for k, v in values.items():
@@ -218,6 +221,7 @@ class Trackers:
         self.queue = queue.Queue(queue_size)
         self.dropped, self.errors, self.first_error = 0, 0, None
         self.run, self.thread, self.closed, self.last = None, None, False, {}
+        self.abandoned = threading.Event()  # `close` timed out: the thread stops after the item it is on
 
     def begin(self, run: TrackedRun):
         "Start the thread: it opens the sinks with `run` and then takes the queue's items"
@@ -285,7 +289,13 @@ def _work(self: Trackers):
             sinks.append(sink)
         except Exception as e:
             self._error(sink, 'open', e)
-    while (item := self.queue.get()) is not None:
+    while not self.abandoned.is_set():
+        try:
+            item = self.queue.get(timeout=0.25)
+        except queue.Empty:
+            continue
+        if item is None:
+            break
         kind, step, payload = item
         for sink in sinks:
             try:  # the values are taken apart inside the guard, and anew for each sink (one may change them)
@@ -313,6 +323,7 @@ def close(self: Trackers) -> bool:
         pass
     self.thread.join(max(deadline - time.monotonic(), 0))
     if self.thread.is_alive():
+        self.abandoned.set()  # the thread closes the sinks after the item it is on, and takes no more
         self.dropped += self.queue.qsize()
         print(
             f"molt-nb trackers: not flushed within trackers.close_timeout_s={self.close_timeout_s:g} "

@@ -229,6 +229,20 @@ def test_resumed_run_continues_the_tracked_runs(tmp_path):
     )
 
 
+def test_fresh_run_hides_an_earlier_runs_tensorboard_steps(tmp_path):
+    "A fresh run in a directory an earlier run logged to shows its own steps in TensorBoard, not both runs' mixed"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = [f'run_dir="{tmp_path / "run"}"', *TINY[:5], 'trackers.tensorboard="tb"']
+    run_here(load_config(PARITY, overrides + ['loop.steps=4']))
+    cfg = load_config(PARITY, overrides + ['loop.steps=2'])
+    run_here(cfg)
+    acc = EventAccumulator(str(tmp_path / 'run' / 'tb'), size_guidance={'scalars': 0})
+    acc.Reload()
+    got = {e.step: e.value for e in acc.Scalars('reward')}
+    same(got, expected(RunStore(cfg.run_dir), 'reward'), 'reward')
+
+
 def test_stopped_run_flushes(tmp_path):
     "A run the pool stops (its train rollouts fail) still flushes every step it logged to the trackers"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -267,18 +281,19 @@ class Stuck:
     name = 'stuck'
 
     def __init__(self):
-        self.release = threading.Event()
+        self.release, self.entered = threading.Event(), threading.Event()
 
     def open(self, run):
         pass
 
     def log(self, step, values):
+        self.entered.set()
         self.release.wait()
 
     table = log
 
     def close(self):
-        pass
+        self.closed = True
 
 
 class Raising(Stuck):
@@ -290,17 +305,21 @@ def test_stuck_tracker_never_blocks_log(tmp_path):
     stuck = Stuck()
     trackers = Trackers([stuck], queue_size=100, close_timeout_s=0.5)
     trackers.begin(TrackedRun('t', 'e', {}, tmp_path))
+    trackers.log({'step': -1, 'reward': 0.5})
+    assert stuck.entered.wait(5)  # the thread is stuck in the sink: the queue fills and stays full
     start = time.perf_counter()
     for step in range(1000):
         trackers.log({'step': step, 'reward': 0.5, 'train/loss': 1.0})
         trackers.samples(step, None)
     seconds = time.perf_counter() - start
     assert seconds < 0.5, seconds
-    assert 1899 <= trackers.dropped <= 1900, trackers.dropped  # 2000 items, 100 queued, one maybe taken
+    assert trackers.dropped == 1900, trackers.dropped  # 2000 items, 100 queued
     start = time.perf_counter()
     assert trackers.close() is False  # gave up on the stuck sink
     assert time.perf_counter() - start < 2
-    stuck.release.set()
+    stuck.release.set()  # unstuck, the thread takes no more of the queue: it closes the sink and ends
+    trackers.thread.join(5)
+    assert not trackers.thread.is_alive() and getattr(stuck, 'closed', False)
 
 
 def test_raising_tracker_is_counted(tmp_path):
