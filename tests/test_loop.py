@@ -117,6 +117,29 @@ def test_raising_and_hanging_agent_cost_one_rollout_each(ray_local, tmp_path):
     assert sorted(sizes) == [3, 3] + [4] * (len(sizes) - 2)  # two groups trained on 3 of their 4 samples
 
 
+def gone(run, timeout: float = 60):
+    "Wait until a killed run's orchestrator and trainer actors are dead"
+    import ray
+    from molt_nb.steering import NAMESPACE
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            ray.get_actor(f"{run.name}/trainer", namespace=NAMESPACE)
+            trainer_alive = True
+        except ValueError:
+            trainer_alive = False
+        try:
+            ray.get(run.actor.__ray_ready__.remote(), timeout=1)
+            alive = True
+        except Exception:  # RayActorError / ActorDiedError once it is dead
+            alive = False
+        if not (alive or trainer_alive):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"run {run.name!r} still alive {timeout} s after kill")
+
+
 def test_kill_then_resume_continues(ray_local, tmp_path):
     cfg = config(tmp_path, 'loop.steps=1000', 'loop.mode="async"', 'train.checkpoint_every=2', 'loop.debug=false')
     run = launch(cfg, name='killed')
@@ -129,6 +152,7 @@ def test_kill_then_resume_continues(ray_local, tmp_path):
         assert time.time() < deadline, "no checkpoint within 2 minutes"
         time.sleep(0.2)
     run.kill()
+    gone(run)  # ray.kill only asks: a checkpoint may still land until both actors are dead
     ckpt = latest_checkpoint(ckpts)
     state = json.loads((ckpt / 'state.json').read_text())
     step, pool = state['step'], state['extra']['pool']
