@@ -30,7 +30,8 @@ from .core import write_atomic
 from .config import AlgoConfig, OptimConfig
 from .estimators import advantage_input, compute_advantages
 from .losses import compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
-from .models import moe_gates
+from .models import decoder_layers, moe_gates
+from .vision import is_vision, vision_ids, vision_inputs
 from .routing import RoutingConfig, RouteReplay, freeze_routers, layer_metric, logprob_gap, route_agreement
 from .weight_sync import named_weights
 
@@ -87,7 +88,7 @@ def shard_model(
 ):
     "Shard `model`'s decoder layers and its root (embeddings, final norm, LM head) with FSDP2 over `dp.mesh`"
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp.mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp.mesh, mp_policy=mp_policy)
     if dp.global_mean:
@@ -255,12 +256,21 @@ class PolicyActor:
 def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
     """(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled); the policy replays
     `mb.routes`"""
+    # a vision-language model reads each row's images and 3D positions, and scores without its vision tokens as the
+    # engine sampled without them
+    vision = is_vision(model)
+    kw = vision_inputs(mb.input_ids, mb.attention_mask.sum(1), mb.images or [None] * len(mb)) if vision else {}
     if model is self.model and self.router is not None:
         with self.router.replaying(mb.routes, mb.attention_mask):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits[:, :-1]
     else:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    return -F.cross_entropy((logits.float() / self.temperature).transpose(1, 2), mb.input_ids[:, 1:], reduction='none')
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits[:, :-1]
+    logits, targets = logits.float() / self.temperature, mb.input_ids[:, 1:]
+    if not vision:
+        return -F.cross_entropy(logits.transpose(1, 2), targets, reduction='none')
+    banned = torch.tensor(vision_ids(model), device=logits.device)
+    lp = -F.cross_entropy(logits.index_fill(-1, banned, float('-inf')).transpose(1, 2), targets, reduction='none')
+    return lp.masked_fill(torch.isin(targets, banned), 0.0)  # an image's tokens are context, never sampled: not -inf
 
 
 @patch

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from fastcore.basics import patch
-from .core import Segment, Trajectory, Result, SamplingParams
+from .core import Images, Segment, Trajectory, Result, SamplingParams
 from .chat import absorb, encode, literal, render, turn_glue
 
 # %% ../nbs/05_agents.ipynb #29b9f16b
@@ -54,6 +54,7 @@ class StepEnvRunner:
         observation_role: str = 'user',  # role of the environment's answer: 'user' or 'tool'
         tools: list | None = None,  # tool schemas rendered by the chat template
         template: bool = True,  # False: completion style, the prompt and observations are raw text (no chat template)
+        processor=None,  # a vision-language policy's image processor: prompts and observations may hold images
     ):
         if max_turns < 1:
             raise ValueError(f"StepEnvRunner.max_turns is {max_turns}: allow at least one model turn")
@@ -69,7 +70,7 @@ class StepEnvRunner:
             max_turns,
             max_context,
         )
-        self.observation_role, self.tools, self.template = observation_role, tools, template
+        self.observation_role, self.tools, self.template, self.processor = observation_role, tools, template, processor
 
 # %% ../nbs/05_agents.ipynb #21cde71c
 class RolloutAborted(RuntimeError):
@@ -91,33 +92,100 @@ async def _env_call(env, method: str, *args):
     return await out
 
 
+_IMAGE = '\U0010fffe'  # private use: where an image goes in rendered text, until its placeholder replaces it
+
+
+def _is_image(part) -> bool:
+    return not isinstance(part, (str, dict)) or isinstance(part, dict) and part.get('type') == 'image'
+
+
+def _flat(content) -> tuple:
+    "Content (a string, or parts: text and images) as text with `_IMAGE` where each image goes, and the images"
+    if isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, (list, tuple)):
+        parts = list(content)
+    else:
+        parts = [content]  # one image
+    text, images = [], []
+    for p in parts:
+        if _is_image(p):
+            images.append(p['image'] if isinstance(p, dict) else p)
+            text.append(_IMAGE)
+        elif isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str):
+            text.append(p['text'])
+        elif isinstance(p, str):
+            text.append(p)
+        else:
+            raise TypeError(
+                f"a message part is {shown(p)}: give text (a string or {{'type': 'text', 'text': ...}}) or an image "
+                "(a PIL image, an (h, w, 3) uint8 array, or {'type': 'image', 'image': ...})"
+            )
+    if any(_IMAGE in t for t, p in zip(text, parts) if not _is_image(p)):
+        raise ValueError("a message's text holds U+10FFFE, which marks images here: remove it")
+    return ''.join(text), images
+
+
+@patch
+def _encode(self: StepEnvRunner, text: str, images: list) -> tuple:
+    "(canonical ids, Images) of rendered `text` whose `_IMAGE` marks stand for `images`, processed here"
+    if not images:
+        return encode(self.tokenizer, text), None
+    if self.processor is None:
+        raise ValueError(
+            f"the environment sent {len(images)} image(s) but the runner has no image processor: pass "
+            "processor=molt_nb.vision.image_processor() (the policy's) to StepEnvRunner, and train a vision-language "
+            "policy (model.vision = true)"
+        )
+    from molt_nb.vision import VISION_TOKENS, expand_placeholders, process_images
+
+    processed = process_images(self.processor, images, self.tokenizer)
+    text = text.replace(_IMAGE, ''.join(VISION_TOKENS[:3][i] for i in (0, 2, 1)))
+    return expand_placeholders(encode(self.tokenizer, text), processed), processed
+
+
+@patch
+def _render(self: StepEnvRunner, messages: list, generation_prompt: bool) -> tuple:
+    "The template's text for `messages`, `_IMAGE` where each image goes, and the images in order"
+    flat, images = [], []
+    for m in messages:
+        text, found = _flat(m.get('content', ''))
+        flat.append({**m, 'content': text})
+        images += found
+    return render(self.tokenizer, flat, generation_prompt, self.tools), images
+
+
 @patch
 def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
     "The first messages of an episode and their prompt segment; `env` names the environment in errors"
-    if not self.template and not isinstance(opening, str):
+    chat = isinstance(opening, (list, tuple)) and all(isinstance(m, dict) and 'role' in m for m in opening)
+    if not self.template and (chat or not isinstance(opening, (str, list, tuple))):
         raise TypeError(
             f"{env}.reset returned {shown(opening)}; a completion-style runner (template=False) needs the prompt as a "
-            "string: return the prompt text, e.g. task['prompt']"
+            "string (or a list of text and images): return the prompt text, e.g. task['prompt']"
         )
-    if not (
-        isinstance(opening, str)
-        or isinstance(opening, (list, tuple))
-        and all(isinstance(m, dict) and 'role' in m for m in opening)
-    ):
+    if self.template and not (isinstance(opening, str) or chat):
         raise TypeError(
             f"{env}.reset returned {shown(opening)}, expected a prompt string or the opening chat messages (a list of "
             "dicts with 'role' and 'content')"
         )
-    messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
-    if not messages:
-        raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
-    ids = encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools) if self.template else opening)
+    if not self.template:
+        text, images = _flat(opening)
+        messages = [dict(role='user', content=opening)]
+        text = literal(self.tokenizer, text)
+    else:
+        messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
+        if not messages:
+            raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
+        text, images = self._render(messages, True)
+    ids, processed = self._encode(text, images)
     if len(ids) >= self.max_context:
+        held = f" ({int(processed.tokens.sum())} of them for {len(processed)} image(s))" if processed else ''
         raise ValueError(
-            f"the prompt has {len(ids)} tokens, not below StepEnvRunner.max_context={self.max_context}: raise "
-            "max_context or shorten the task"
+            f"the prompt has {len(ids)} tokens{held}, not below StepEnvRunner.max_context={self.max_context}: raise "
+            "max_context or shorten the task (smaller images take fewer tokens)"
         )
-    return messages, Segment.prompt(ids)
+    return messages, Segment.prompt(ids, images=processed)
 
 # %% ../nbs/05_agents.ipynb #52315a87
 @patch
@@ -139,8 +207,11 @@ async def run(
         if room < 1:
             truncated = True
             break
-        gen = await engine.generate(
-            seg.token_ids, sampling if sampling.max_tokens <= room else sampling.replace(max_tokens=room)
+        sp = sampling if sampling.max_tokens <= room else sampling.replace(max_tokens=room)
+        gen = await (
+            engine.generate(seg.token_ids, sp)
+            if seg.images is None
+            else engine.generate(seg.token_ids, sp, None, images=seg.images)
         )
         if gen.finish_reason == 'abort':
             raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
@@ -165,7 +236,8 @@ async def run(
         if index == self.max_turns - 1:
             truncated = True
             break
-        new = [dict(role=self.observation_role, content=result.observation)]
+        obs = [result.observation, *result.images] if result.images else result.observation
+        new = [dict(role=self.observation_role, content=obs)]
         sampled = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False) if self.template else text
         if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None:
             truncated = True
@@ -191,19 +263,19 @@ def _continue(
     """Conversation and segments after an observation (glue appended, or a new segment if history was rewritten); None
     if out of room"""
     # completion style: the observation is the environment's text, so its special-token strings stay text
-    glue = (
-        turn_glue(self.tokenizer, messages, text, sampled, new, self.tools)
-        if self.template
-        else literal(self.tokenizer, new[0]['content'])
-    )
+    flat_new, images = _flat(new[0]['content'])
+    if self.template:
+        flat_msgs = [{**m, 'content': _flat(m.get('content', ''))[0]} for m in messages]
+        glue = turn_glue(self.tokenizer, flat_msgs, text, sampled, [{**new[0], 'content': flat_new}], self.tools)
+    else:
+        glue = literal(self.tokenizer, flat_new)
     messages = messages + [dict(role='assistant', content=text)] + new
     if glue is not None:
-        nxt, sealed = seg.extend(encode(self.tokenizer, glue)), sealed
-    else:
-        nxt, sealed = (
-            Segment.prompt(encode(self.tokenizer, render(self.tokenizer, messages, True, self.tools))),
-            sealed + [seg],
-        )
+        ids, processed = self._encode(glue, images)
+        nxt, sealed = seg.extend(ids, images=processed), sealed
+    else:  # the template rewrote history: a new segment holds the whole conversation, every image again
+        ids, processed = self._encode(*self._render(messages, True))
+        nxt, sealed = Segment.prompt(ids, images=processed), sealed + [seg]
     return None if len(nxt) >= self.max_context else (messages, nxt, sealed)
 
 # %% ../nbs/05_agents.ipynb #65fc45cb

@@ -287,8 +287,8 @@ def _prefill_attention(self: Qwen3Decoder, i, layer, x, rope, mask, cache, S: in
 
 # %% ../nbs/02_decode.ipynb #eb4a0dcc
 def cache_dims(model) -> tuple:
-    "(layers, kv_heads, head_dim) of a decoder-only transformers model."
-    c = model.config
+    "(layers, kv_heads, head_dim) of a decoder-only transformers model (a VLM's text model)."
+    c = model.config.get_text_config()
     return (
         c.num_hidden_layers,
         c.num_key_value_heads,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
-from .core import SamplingParams, filters_off, process_logits
+from .core import Images, SamplingParams, check_images, filters_off, process_logits
 from molt_nb.decode import (
     SlotCache,
     Qwen3Decoder,
@@ -25,6 +25,7 @@ from molt_nb.decode import (
     grow,
 )
 from .models import moe_gates, route_shape
+from .vision import is_vision, mrope_positions, text_config, vision_ids
 
 # %% ../nbs/03_engine.ipynb #3b173eda
 @dataclass
@@ -48,7 +49,9 @@ class Engine(Protocol):
 
     version: int
 
-    async def generate(self, token_ids, sampling: SamplingParams, session_id: str | None = None) -> Generation: ...
+    async def generate(
+        self, token_ids, sampling: SamplingParams, session_id: str | None = None, images: Images | None = None
+    ) -> Generation: ...
     async def pause(self, keep: bool = True, drain: bool = False): ...
     async def resume(self): ...
     async def load_weights(self, named_tensors, version: int): ...
@@ -113,6 +116,9 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
     routes: torch.Tensor | None = None  # (P, layers, top_k) from the prefill
+    images: Images | None = None  # the images whose placeholders the prompt holds
+    pos3: torch.Tensor | None = None  # (3, P) a VLM's rotary positions of the prompt (`mrope_positions`)
+    next_pos: int = 0  # a VLM's position of the first sampled token
 
     def resolve(self, value=None, error=None):
         "Complete the caller's future from the engine thread."
@@ -206,13 +212,16 @@ class TorchEngine:
         self.model.config._attn_implementation = "molt_engine"
         self.dtype, self.dims = next(model.parameters()).dtype, cache_dims(model)
         self.vocab_size, self.version, self.max_batch, self.threads = (
-            model.config.vocab_size,
+            text_config(model).vocab_size,
             version,
             max_batch,
             threads,
         )
         self.prefill_budget = prefill_budget
-        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_model_len = max_model_len or text_config(model).max_position_embeddings
+        # a vision-language model: 3D positions computed here, and its vision tokens are never sampled
+        self._vision, banned = is_vision(model), vision_ids(model)
+        self._banned = torch.tensor(banned, device=self.device) if banned else None
         self.stats = dict(
             steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0
         )  # busy_s: seconds spent computing (idle = wall - busy)
@@ -273,14 +282,17 @@ async def generate(
     self: TorchEngine,
     token_ids,  # (P,) prompt ids: list or tensor
     sampling: SamplingParams | None = None,
-    session_id: str | None = None,
-) -> Generation:  # kept for the Engine protocol (router affinity)
+    session_id: str | None = None,  # kept for the Engine protocol (router affinity)
+    images: Images | None = None,  # a VLM's images, whose placeholders `token_ids` holds (expanded, in order)
+) -> Generation:
     "Sample a continuation of `token_ids`."
     sampling = self._bindable(sampling or SamplingParams())
     prompt = check_prompt(token_ids, self.vocab_size, self.max_model_len)
     room = self.max_model_len - len(prompt)
     loop = asyncio.get_running_loop()
     req = _Request(prompt, sampling, min(sampling.max_tokens, room), 0, loop.create_future(), loop)
+    if images is not None or self._vision:
+        req.images, req.pos3, req.next_pos = images, *self._positions(prompt, images)
     req.future.add_done_callback(lambda f: setattr(req, "cancelled", f.cancelled()))
     with self._cv:  # keys are allocated under the lock: callers on two threads never share one
         if self._closed:
@@ -290,6 +302,31 @@ async def generate(
         self._pending.append(req)
         self._cv.notify()
     return await req.future
+
+
+@patch
+def _positions(self: TorchEngine, prompt: torch.Tensor, images: Images | None) -> tuple:
+    "A VLM prompt's (3, P) rotary positions and the next one; a ValueError when its ids and images disagree"
+    if not self._vision:
+        raise ValueError(
+            "generate got images but the engine's model reads none (it has no vision tower): serve a vision-language "
+            "policy, or send text only"
+        )
+    c = self.model.config
+    if images is not None:
+        if images.token_id != c.image_token_id:
+            raise ValueError(
+                f"generate: the images are tagged with placeholder {images.token_id} but the model's is "
+                f"{c.image_token_id}: process them with the policy's own tokenizer"
+            )
+        check_images(images, prompt, 'generate')
+    elif bool((prompt == c.image_token_id).any()):
+        raise ValueError(
+            f"generate: the prompt holds image placeholders ({c.image_token_id}) but no images were given: pass "
+            "images=..., or keep the placeholder out of text (split_special_tokens)"
+        )
+    grids = images.grid_thw if images is not None else []
+    return mrope_positions(prompt, grids, c.image_token_id, c.vision_config.spatial_merge_size)
 
 # %% ../nbs/03_engine.ipynb #f2de3f82
 @patch
@@ -502,18 +539,23 @@ def _fail_running(self: TorchEngine, error: Exception | None):
 
 # %% ../nbs/03_engine.ipynb #ef671fba
 @patch
-def _forward(self: TorchEngine, ids, pos, mask, cache):
-    "Logits `(S, V)` at the last position; advances the cache."
+def _forward(self: TorchEngine, ids, pos, mask, cache, vision: dict | None = None):
+    "Logits `(S, V)` at the last position; advances the cache. `vision`: a VLM prefill's pixels and grids"
     self._captured.clear()
     if self._fast:  # a decode step, or a prefill (the rows' prompts)
         logits = self._fast(ids, pos, mask, cache) if ids.shape[1] == 1 else self._fast.prefill(ids, pos, mask, cache)
     else:
-        kw = {self._cache_kw: cache}
+        if self._vision and pos.ndim == 2:  # a decode step: text positions, the same on the three rotary axes
+            pos = pos[None].expand(3, *pos.shape)
+        kw = {self._cache_kw: cache, **(vision or {})}
         logits = self.model(
             input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, logits_to_keep=1, **kw
         ).logits[:, -1]
     cache.length += ids.shape[1]
-    return logits.float()
+    logits = logits.float()
+    if self._banned is not None:  # a sampled vision token would be an image without pixels
+        logits.index_fill_(-1, self._banned, float('-inf'))
+    return logits
 
 
 @patch
@@ -551,16 +593,18 @@ def _new_rows(self: TorchEngine, reqs, pos):
 
 
 @patch
-def _prefill(self: TorchEngine, seqs: list) -> tuple:
-    "Prefill `seqs` as one left-padded batch: (last logits, cache, next positions, routes of each or None)."
+def _prefill(self: TorchEngine, seqs: list, reqs: list) -> tuple:
+    """Prefill `seqs` (each request's prompt, and its sampled tokens on a refill) as one left-padded batch: (last
+    logits, cache, next positions, routes of each or None)."""
     ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype, self.device)
-    logits = self._forward(ids, pos, mask, cache)
+    vision, nxt = (None, pos[:, -1] + 1) if not self._vision else self._vision_inputs(seqs, reqs, ids.shape[1])
+    logits = self._forward(ids, pos if vision is None else vision.pop('position_ids'), mask, cache, vision)
     if not self._route_shape:
-        return logits, cache, pos[:, -1] + 1, None
+        return logits, cache, nxt, None
     return (
         logits,
         cache,
-        pos[:, -1] + 1,
+        nxt,
         [row[ids.shape[1] - len(s) :] for s, row in zip(seqs, self._routes(*ids.shape))],
     )
 
@@ -568,7 +612,7 @@ def _prefill(self: TorchEngine, seqs: list) -> tuple:
 @patch
 def _admit(self: TorchEngine, reqs) -> list:
     "Prefill `reqs` and sample a first token: [(requests, rows, cache)] of those that go on (the batch is untouched)."
-    logits, cache, pos, routes = self._prefill([r.prompt for r in reqs])
+    logits, cache, pos, routes = self._prefill([r.prompt for r in reqs], reqs)
     for r, row in zip(reqs, routes or []):
         r.routes = row.cpu()
     rows = self._new_rows(reqs, pos)
@@ -603,7 +647,7 @@ def _refill(self: TorchEngine):
     seqs = [torch.cat([q.prompt, tokens[i, : n - 1]]) for i, (q, n) in enumerate(zip(reqs, r.count.tolist()))]
     for group in prefill_groups([len(s) for s in seqs], self.prefill_budget):
         try:
-            _, part, _, routes = self._prefill([seqs[i] for i in group])
+            _, part, _, routes = self._prefill([seqs[i] for i in group], [reqs[i] for i in group])
         except Exception as e:  # an OOM, say: these rows cannot go on (their cache is the old weights'), the rest can
             for i in group:
                 reqs[i].resolve(error=e)
@@ -634,6 +678,20 @@ def _decode(self: TorchEngine):
     done, stopped = self._sample(logits, r, self._reqs, self._flags)
     if done.any():
         self._finish(done, stopped)
+
+
+@patch
+def _vision_inputs(self: TorchEngine, seqs: list, reqs: list, P: int) -> tuple:
+    "A VLM prefill's left-padded (3, S, P) positions, its requests' pixels and grids in row order; next positions"
+    pos, nxt = torch.zeros(3, len(seqs), P, dtype=torch.long), []
+    for i, (s, r) in enumerate(zip(seqs, reqs)):
+        extra = len(s) - len(r.prompt)  # tokens sampled before a refill: text, one position each
+        pos[:, i, P - len(s) :] = torch.cat([r.pos3, (r.next_pos + torch.arange(extra)).expand(3, extra)], 1)
+        nxt.append(r.next_pos + extra)
+    out = dict(position_ids=pos.to(self.device))
+    if (images := Images.cat_all([r.images for r in reqs])) is not None:
+        out |= dict(pixel_values=images.pixel_values.to(self.device), image_grid_thw=images.grid_thw.to(self.device))
+    return out, torch.tensor(nxt, device=self.device)
 
 # %% ../nbs/03_engine.ipynb #2dba0abb
 @patch

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['SPECIAL_TOKENS', 'MARKER_TOKENS', 'CHAT_TEMPLATE', 'BYTE_OF', 'byte_bpe', 'build_tokenizer', 'TinyConfig',
            'hf_config', 'token_ids', 'build_model', 'tiny_dense', 'tiny_moe', 'save_policy', 'load_policy', 'moe_gates',
-           'route_shape', 'token_pieces']
+           'route_shape', 'decoder_layers', 'token_pieces']
 
 # %% ../nbs/01_models.ipynb #db85727f
-import weakref
+import json, weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from torch import nn
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -212,13 +213,16 @@ def load_policy(
             f"{str(path)!r} has no config.json: expected a local HF-format checkpoint directory "
             "(models are never downloaded; save one with save_policy or save_pretrained)"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    # a vision-language checkpoint (its config has a vision tower's) loads as one: the causal-LM auto class refuses it
+    vision = 'vision_config' in json.loads((path / "config.json").read_text())
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.eval(), AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 # %% ../nbs/01_models.ipynb #236360a4
 def moe_gates(model: PreTrainedModel) -> dict[int, nn.Module]:
     "Global decoder-layer id -> that layer's router (`mlp.gate`), for layers whose MLP is a mixture of experts."
-    layers = model.model.layers
+    layers = decoder_layers(model)
     return {
         i: layer.mlp.gate
         for i, layer in enumerate(layers)
@@ -231,7 +235,12 @@ def route_shape(model: PreTrainedModel) -> tuple[int, int] | None:
     gates = moe_gates(model)
     if not gates:
         return None
-    return len(model.model.layers), next(iter(gates.values())).top_k
+    return len(decoder_layers(model)), next(iter(gates.values())).top_k
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    "The text decoder's layers (a vision-language model nests them in `model.model.language_model`)"
+    return getattr(model.model, 'language_model', model.model).layers
 
 # %% ../nbs/01_models.ipynb #fb573dc9
 def _byte_level() -> dict:

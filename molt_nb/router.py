@@ -100,8 +100,12 @@ class EngineActor:
         self.engine = engine_of(cfg, nonce)
         self.staging = self.engine if hasattr(self.engine, 'load_staged') else Staging(self.engine)
 
-    async def generate(self, token_ids, sampling: SamplingParams, session_id: str | None = None) -> Generation:
-        return await self.engine.generate(token_ids, sampling, session_id)
+    async def generate(
+        self, token_ids, sampling: SamplingParams, session_id: str | None = None, images=None
+    ) -> Generation:
+        return await self.engine.generate(
+            token_ids, sampling, session_id, **({} if images is None else dict(images=images))
+        )
 
     async def pause(self, keep: bool = True, drain: bool = False):
         await self.engine.pause(keep, drain)
@@ -244,7 +248,11 @@ def pick(self: Router, session_id: str | None = None) -> int:
 
 @patch
 async def generate(
-    self: Router, token_ids, sampling: SamplingParams | None = None, session_id: str | None = None
+    self: Router,
+    token_ids,
+    sampling: SamplingParams | None = None,
+    session_id: str | None = None,
+    images=None,  # a VLM's `Images`, whose placeholders `token_ids` holds
 ) -> Generation:
     """Sample on one engine; `EngineDied` if it dies meanwhile (the pool then runs the rollout again elsewhere). While
     every live engine is a replacement without the run's weights yet, it waits for the sync that loads them"""
@@ -257,7 +265,8 @@ async def generate(
     self.inflight[i] += 1
     self.routed[i] += 1
     try:
-        return await call(self.engines[i], 'generate', token_ids, sampling or SamplingParams(), session_id)
+        args = (token_ids, sampling or SamplingParams(), session_id) + (() if images is None else (images,))
+        return await call(self.engines[i], 'generate', *args)
     except Exception as e:
         if not died(e):
             raise

@@ -5,7 +5,8 @@ expanded ids and Qwen-VL's 3D rotary positions, checked by decoding with a cache
 
 # %% auto #0
 __all__ = ['VISION_TOKENS', 'vision_tokenizer', 'image_processor', 'image_tokens', 'expand_ids', 'draw_shapes', 'mrope_positions',
-           'tiny_vl']
+           'tiny_vl', 'process_images', 'expand_placeholders', 'is_vision', 'text_config', 'vision_ids',
+           'vision_inputs']
 
 # %% ../nbs/01a_vision.ipynb #a645e637
 import numpy as np
@@ -17,6 +18,7 @@ from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
+from .core import Images
 from .models import CHAT_TEMPLATE, byte_bpe
 
 # %% ../nbs/01a_vision.ipynb #1692fc29
@@ -145,6 +147,8 @@ def tiny_vl(
     vision_depth: int = 2,
     patch: int = 8,
     merge: int = 2,
+    intermediate: int | None = None,  # the text MLP's width (default 2 * hidden)
+    max_position: int = 256,  # longest sequence the rotary embedding is configured for
 ) -> Qwen3VLForConditionalGeneration:
     "A Qwen3-VL policy a few hundred thousand parameters big, in fp32 and eval mode, built in code"
     ids = dict(
@@ -158,12 +162,12 @@ def tiny_vl(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=hidden,
-            intermediate_size=2 * hidden,
+            intermediate_size=intermediate or 2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=256,
+            max_position_embeddings=max_position,
             rope_parameters=dict(
                 rope_type='default',
                 rope_theta=10000.0,
@@ -195,3 +199,81 @@ def tiny_vl(
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(cfg)
     return model.to(torch.float32).eval()
+
+# %% ../nbs/01a_vision.ipynb #6183077d
+def process_images(
+    processor,  # `image_processor()`, or a checkpoint's (AutoImageProcessor)
+    images: list,  # PIL images or (h, w, 3) uint8 arrays
+    tokenizer,  # its `<|image_pad|>` id tags the images
+) -> Images | None:
+    "The processor's outputs for `images` as `Images` (None when there are none)"
+    if not images:
+        return None
+    out = processor(images=list(images), return_tensors='pt')
+    return Images(
+        out['pixel_values'].float(),
+        out['image_grid_thw'],
+        tokenizer.convert_tokens_to_ids(VISION_TOKENS[2]),
+        getattr(processor, 'merge_size', 2),
+    )
+
+
+def expand_placeholders(
+    ids: list,  # ids with one placeholder per image (a rendered template's)
+    images: Images | None,
+) -> list:
+    "`ids` with each image's single placeholder widened to its image's tokens, in order"
+    n = 0 if images is None else len(images)
+    at = [i for i, t in enumerate(ids) if images is not None and t == images.token_id]
+    if len(at) != n:
+        raise ValueError(
+            f"expand_placeholders: {len(at)} image placeholders in the ids but {n} images: each image is rendered as "
+            "exactly one placeholder (text cannot hold one: encode it with split_special_tokens)"
+        )
+    if not n:
+        return list(ids)
+    out, prev = [], 0
+    for i, k in zip(at, images.tokens.tolist()):
+        out += ids[prev:i] + [images.token_id] * k
+        prev = i + 1
+    return out + ids[prev:]
+
+# %% ../nbs/01a_vision.ipynb #9ea6c187
+def is_vision(model) -> bool:
+    "Whether `model` (or its config) is a vision-language model: it has a vision tower's config"
+    return hasattr(getattr(model, 'config', model), 'vision_config')
+
+
+def text_config(model):
+    "The text model's config (a VLM nests it; a text model's is its own)"
+    c = getattr(model, 'config', model)
+    return c.get_text_config() if hasattr(c, 'get_text_config') else c
+
+
+def vision_ids(model) -> list:
+    "The vision tokens' ids of a VLM (never sampled); [] for a text model"
+    c = getattr(model, 'config', model)
+    names = ('vision_start_token_id', 'vision_end_token_id', 'image_token_id', 'video_token_id')
+    return [getattr(c, n) for n in names if getattr(c, n, None) is not None] if is_vision(c) else []
+
+
+def vision_inputs(
+    input_ids: Tensor,  # (B, T) right-padded rows
+    lengths,  # (B,) real tokens of each row
+    images: list,  # (B,) each row's Images or None
+) -> dict:
+    "position_ids (3, B, T) and, when any row has images, pixel_values and image_grid_thw in row order"
+    B, T = input_ids.shape
+    pos = torch.zeros(3, B, T, dtype=torch.long)
+    for i, (n, im) in enumerate(zip(torch.as_tensor(lengths).tolist(), images)):
+        if im is None:
+            pos[:, i, :n] = torch.arange(n)
+        else:
+            pos[:, i, :n] = mrope_positions(input_ids[i, :n].cpu(), im.grid_thw, im.token_id, im.merge)[0]
+    out = dict(position_ids=pos.to(input_ids.device))
+    if (all_images := Images.cat_all(images)) is not None:
+        out |= dict(
+            pixel_values=all_images.pixel_values.to(input_ids.device),
+            image_grid_thw=all_images.grid_thw.to(input_ids.device),
+        )
+    return out

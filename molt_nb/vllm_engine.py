@@ -335,9 +335,14 @@ def _leave(self: VLLMEngine):
 
 @patch
 async def generate(
-    self: VLLMEngine, token_ids, sampling: SamplingParams | None = None, session_id: str | None = None
+    self: VLLMEngine, token_ids, sampling: SamplingParams | None = None, session_id: str | None = None, images=None
 ) -> Generation:
     "Sample a continuation of `token_ids`"
+    if images is not None:
+        raise NotImplementedError(
+            "VLLMEngine does not pass images to vLLM yet (issue 22): serve a vision-language policy with "
+            "rollout.engine='torch'"
+        )
     sampling = sampling or SamplingParams()
     prompt = check_prompt(token_ids, self.vocab_size, self.max_model_len)
     n = next(self._ids)

@@ -163,12 +163,12 @@ def test_a_failing_admit_fails_only_its_request():
     engine = TorchEngine(tiny_dense(), seed=0)
     bad, real, prefills = [7, 7, 7, 7, 7], engine._forward, []
 
-    def forward(ids, pos, mask, cache):  # an OOM, say, in any prefill (a fresh cache) holding the bad prompt
+    def forward(ids, pos, mask, cache, *vision):  # an OOM, say, in any prefill (a fresh cache) holding the bad prompt
         if cache.length == 0:
             prefills.append(len(ids))
         if cache.length == 0 and any(row[-5:].tolist() == bad for row in ids):
             raise MemoryError("simulated OOM")
-        return real(ids, pos, mask, cache)
+        return real(ids, pos, mask, cache, *vision)
 
     engine._forward = forward
 
@@ -226,12 +226,12 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
     new = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
     refills, real = [], engine._prefill
 
-    def prefill(seqs):
+    def prefill(seqs, reqs):
         if engine.version == 1:  # the refill: the only prefill after the load
             refills.append([len(s) for s in seqs])
             if max(len(s) for s in seqs) > 150:
                 raise MemoryError("simulated OOM in the refill of the long row")
-        return real(seqs)
+        return real(seqs, reqs)
 
     engine._prefill = prefill
 

@@ -1,0 +1,172 @@
+"""Images through the token-first contract: the engine, the step runner and the trainer agree on a tiny Qwen3-VL."""
+
+import asyncio, copy
+
+import pytest
+import torch
+
+from molt_nb.actor import PolicyActor
+from molt_nb.agents import Env, StepEnvRunner
+from molt_nb.chat import encode, literal
+from molt_nb.core import Result, SamplingParams, Segment, collate
+from molt_nb.engine import TorchEngine
+from molt_nb.models import tiny_dense
+from molt_nb.vision import (
+    VISION_TOKENS,
+    draw_shapes,
+    expand_ids,
+    image_processor,
+    process_images,
+    tiny_vl,
+    vision_ids,
+    vision_inputs,
+    vision_tokenizer,
+)
+
+TOK, PROC = vision_tokenizer(), image_processor()
+PAD = TOK.convert_tokens_to_ids(VISION_TOKENS[2])
+A = draw_shapes([('square', (200, 30, 30), (8, 8), 20), ('triangle', (30, 30, 200), (30, 30), 24)])
+B = draw_shapes([('triangle', (30, 160, 30), (4, 4), 20)], size=(32, 48))
+SP = SamplingParams(max_tokens=6, stop_token_ids=(TOK.eos_token_id,))
+
+
+def full_logprobs(model, ids: list, images) -> torch.Tensor:
+    "(len(ids) - 1,) logprobs of each next token under one fresh fp32 forward, vision tokens never sampled"
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=x, **vision_inputs(x, [len(ids)], [images])).logits[0, :-1].float()
+    logits[:, vision_ids(model)] = float('-inf')
+    return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+
+
+class Look(Env):
+    "Two turns: an image in the opening message, a second image with the observation"
+
+    def __init__(self, chat=True):
+        self.chat = chat
+
+    async def reset(self, task):
+        if self.chat:
+            return [dict(role='user', content=['how many shapes? ', A, ' answer:'])]
+        return ['how many shapes? ', A, ' answer:']
+
+    async def step(self, turn):
+        if turn.index == 0:
+            # hostile text: a placeholder string in an observation stays text
+            return Result(0.0, observation='and now <|image_pad|>?', images=[B], terminated=False)
+        return Result(1.0)
+
+
+@pytest.mark.parametrize('chat', [True, False])
+def test_two_images_in_two_turns_engine_and_trainer_agree(chat):
+    model = tiny_vl(TOK, seed=3)
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    runner = StepEnvRunner(lambda: Look(chat), TOK, max_turns=2, max_context=256, template=chat, processor=PROC)
+    try:
+
+        async def rollouts():
+            return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(3)))
+
+        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
+    finally:
+        engine.close()
+    start, end = (TOK.convert_tokens_to_ids(VISION_TOKENS[i]) for i in (0, 1))
+    image = lambda n: [start] + [PAD] * n + [end]
+    for tr in trs:
+        # chat: a turn whose text the template renders differently (random bytes) re-renders in a new segment, which
+        # then holds both images again; completion style always appends
+        seg = tr.segments[-1]
+        assert chat or len(tr.segments) == 1
+        assert seg.images.tokens.tolist() == [16, 6] and len(seg.images.pixel_values) == 64 + 24
+        assert seg.images.grid_thw.tolist() == [[1, 8, 8], [1, 4, 6]]
+        ids = seg.token_ids.tolist()
+        assert ids.count(PAD) == 22, 'exactly the two images are placeholders: the hostile string is text'
+        if not chat:  # the canonical ids, built independently (the byte tokenizer has no merges to cross)
+            act = seg.action_mask.tolist()
+            a = act.index(True)
+            b = a + act[a:].index(False)
+            want = (
+                encode(TOK, 'how many shapes? ')
+                + image(16)
+                + encode(TOK, ' answer:')
+                + ids[a:b]
+                + encode(TOK, literal(TOK, 'and now <|image_pad|>?'))
+                + image(6)
+            )
+            assert ids[: len(want)] == want and all(act[len(want) :]), 'then the second turn, all sampled'
+    # the trainer scores the collated rows exactly as the engine sampled them
+    batch = collate(trs)
+    actor = PolicyActor(copy.deepcopy(model), micro_batch_rows=2)
+    lp = actor.logprobs(batch)
+    gap = ((lp - batch.logprobs) * batch.action_mask).abs().max().item()
+    assert gap < 1e-5, gap
+    # and a fresh full forward of each row agrees too
+    for tr in trs:
+        seg = tr.segments[-1]
+        ref = full_logprobs(model, seg.token_ids.tolist(), seg.images)
+        assert (ref - seg.logprobs[1:])[seg.action_mask[1:]].abs().max() < 1e-5
+
+
+def test_engine_logprobs_equal_a_full_forward_across_a_weight_load():
+    "Rows with 2, 1 and 0 images decode in one batch; a weight load mid-decode re-prefills them with their images"
+    model = tiny_vl(TOK, seed=4)
+    new = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    changed = copy.deepcopy(model)
+    changed.load_state_dict(new)
+    ia, ib = process_images(PROC, [A], TOK), process_images(PROC, [B], TOK)
+    rows = [
+        (expand_ids(TOK, ['two: ', A, ' and ', B, ' ?'], torch.cat([ia.grid_thw, ib.grid_thw])), ia.cat(ib)),
+        (expand_ids(TOK, ['one: ', B, ' ?'], ib.grid_thw), ib),
+        (expand_ids(TOK, ['no image here ?'], []), None),
+    ]
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    sp = SamplingParams(max_tokens=40)
+
+    async def go():
+        tasks = [asyncio.create_task(engine.generate(ids, sp, images=im)) for ids, im in rows]
+        while engine.stats['steps'] < 12:
+            await asyncio.sleep(0.001)
+        await engine.pause()
+        await engine.load_weights(list(new.items()), version=1)
+        await engine.resume()
+        return await asyncio.gather(*tasks)
+
+    try:
+        gens = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        engine.close()
+    for (ids, im), g in zip(rows, gens):
+        assert len(g) == 40 and {0, 1} <= set(g.versions.tolist()), 'tokens on both sides of the load'
+        full = ids + g.token_ids.tolist()
+        for m, version in ((model, 0), (changed, 1)):
+            ref = full_logprobs(m, full, im)[-len(g) :]
+            mine = g.versions == version
+            assert (ref[mine] - g.logprobs[mine]).abs().max() < 1e-5
+        assert not set(g.token_ids.tolist()) & set(vision_ids(model)), 'a vision token was sampled'
+
+
+def test_bad_images_are_refused_with_the_reason():
+    ia = process_images(PROC, [A], TOK)
+    ids = expand_ids(TOK, ['x ', A], ia.grid_thw)
+    vl = TorchEngine(tiny_vl(TOK), seed=0)
+    text = TorchEngine(tiny_dense(), seed=0)
+    try:
+        with pytest.raises(ValueError, match='reads none'):
+            asyncio.run(text.generate(ids[:2], SP, images=ia))
+        with pytest.raises(ValueError, match='need \\[16\\]'):
+            asyncio.run(vl.generate(ids[:-3], SP, images=ia))
+        with pytest.raises(ValueError, match='no images were given'):
+            asyncio.run(vl.generate(ids, SP))
+    finally:
+        vl.close(), text.close()
+    # the opening's image budget counts against the context
+    runner = StepEnvRunner(lambda: Look(), TOK, max_turns=2, max_context=24, processor=PROC)
+    with pytest.raises(ValueError, match='16 of them for 1 image'):
+        asyncio.run(runner.run(None, {}, SP, 'r', 'g'))
+    # no processor: the runner says what to pass
+    with pytest.raises(ValueError, match='no image processor'):
+        asyncio.run(StepEnvRunner(lambda: Look(), TOK, max_turns=2).run(None, {}, SP, 'r', 'g'))
+    # a cut through an image is refused
+    seg = Segment.prompt(ids, images=ia)
+    with pytest.raises(ValueError, match='would cut image 0'):
+        seg.truncate(len(ids) - 3)
