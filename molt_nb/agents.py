@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from fastcore.basics import patch
-from .core import Images, Segment, Trajectory, Result, SamplingParams
+from .core import Segment, Trajectory, Result, SamplingParams
 from .chat import absorb, encode, literal, render, turn_glue
+from .vision import encode_images, flat_content
 
 # %% ../nbs/05_agents.ipynb #29b9f16b
 @dataclass
@@ -92,64 +93,18 @@ async def _env_call(env, method: str, *args):
     return await out
 
 
-_IMAGE = '\U0010fffe'  # private use: where an image goes in rendered text, until its placeholder replaces it
-
-
-def _is_image(part) -> bool:
-    return not isinstance(part, (str, dict)) or isinstance(part, dict) and part.get('type') == 'image'
-
-
-def _flat(content) -> tuple:
-    "Content (a string, or parts: text and images) as text with `_IMAGE` where each image goes, and the images"
-    if isinstance(content, str):
-        parts = [content]
-    elif isinstance(content, (list, tuple)):
-        parts = list(content)
-    else:
-        parts = [content]  # one image
-    text, images = [], []
-    for p in parts:
-        if _is_image(p):
-            images.append(p['image'] if isinstance(p, dict) else p)
-            text.append(_IMAGE)
-        elif isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str):
-            text.append(p['text'])
-        elif isinstance(p, str):
-            text.append(p)
-        else:
-            raise TypeError(
-                f"a message part is {shown(p)}: give text (a string or {{'type': 'text', 'text': ...}}) or an image "
-                "(a PIL image, an (h, w, 3) uint8 array, or {'type': 'image', 'image': ...})"
-            )
-    if any(_IMAGE in t for t, p in zip(text, parts) if not _is_image(p)):
-        raise ValueError("a message's text holds U+10FFFE, which marks images here: remove it")
-    return ''.join(text), images
-
-
 @patch
 def _encode(self: StepEnvRunner, text: str, images: list) -> tuple:
-    "(canonical ids, Images) of rendered `text` whose `_IMAGE` marks stand for `images`, processed here"
-    if not images:
-        return encode(self.tokenizer, text), None
-    if self.processor is None:
-        raise ValueError(
-            f"the environment sent {len(images)} image(s) but the runner has no image processor: pass "
-            "processor=molt_nb.vision.image_processor() (the policy's) to StepEnvRunner, and train a vision-language "
-            "policy (model.vision = true)"
-        )
-    from molt_nb.vision import VISION_TOKENS, expand_placeholders, process_images
-
-    processed = process_images(self.processor, images, self.tokenizer)
-    text = text.replace(_IMAGE, ''.join(VISION_TOKENS[:3][i] for i in (0, 2, 1)))
-    return expand_placeholders(encode(self.tokenizer, text), processed), processed
+    "(canonical ids, Images or None) of rendered text holding `IMAGE_MARK` where each image goes"
+    return encode_images(self.tokenizer, text, images, self.processor)
 
 
 @patch
 def _render(self: StepEnvRunner, messages: list, generation_prompt: bool) -> tuple:
-    "The template's text for `messages`, `_IMAGE` where each image goes, and the images in order"
+    "The template's text for `messages`, `IMAGE_MARK` where each image goes, and the images in order"
     flat, images = [], []
     for m in messages:
-        text, found = _flat(m.get('content', ''))
+        text, found = flat_content(m.get('content', ''))
         flat.append({**m, 'content': text})
         images += found
     return render(self.tokenizer, flat, generation_prompt, self.tools), images
@@ -170,7 +125,7 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
             "dicts with 'role' and 'content')"
         )
     if not self.template:
-        text, images = _flat(opening)
+        text, images = flat_content(opening)
         messages = [dict(role='user', content=opening)]
         text = literal(self.tokenizer, text)
     else:
@@ -263,9 +218,9 @@ def _continue(
     """Conversation and segments after an observation (glue appended, or a new segment if history was rewritten); None
     if out of room"""
     # completion style: the observation is the environment's text, so its special-token strings stay text
-    flat_new, images = _flat(new[0]['content'])
+    flat_new, images = flat_content(new[0]['content'])
     if self.template:
-        flat_msgs = [{**m, 'content': _flat(m.get('content', ''))[0]} for m in messages]
+        flat_msgs = [{**m, 'content': flat_content(m.get('content', ''))[0]} for m in messages]
         glue = turn_glue(self.tokenizer, flat_msgs, text, sampled, [{**new[0], 'content': flat_new}], self.tools)
     else:
         glue = literal(self.tokenizer, flat_new)
@@ -416,13 +371,15 @@ class ChatAgentRunner:
         host: str = '127.0.0.1',  # where the server binds: loopback unless configured otherwise
         token: str | None = None,  # the server's bearer token (default: a fresh random one per server)
         model_name: str = 'policy',  # the model name agents request
+        processor=None,  # a vision-language policy's image processor: agents may send images
     ):
         if max_context < 2:
             raise ValueError(
                 f"ChatAgentRunner.max_context is {max_context}: a segment needs room for a prompt and a sampled token"
             )
         self.agent_factory, self.tokenizer, self.max_context = agent_factory, tokenizer, max_context
-        self.server_options, self._start = dict(host=host, token=token, model_name=model_name), None
+        self.server_options = dict(host=host, token=token, model_name=model_name, processor=processor)
+        self._start = None
 
     async def server(self):
         "The runner's chat server on the running loop (started once per loop)"

@@ -8,7 +8,9 @@ __all__ = ['ChatError', 'openai_error', 'anthropic_error', 'from_openai', 'from_
            'anthropic_body', 'anthropic_events', 'ChatLimits', 'ChatServer']
 
 # %% ../nbs/06_chat_server.ipynb #73064b1d
-import asyncio, concurrent.futures, contextlib, functools, gc, json, math, logging, re, secrets, sys, time, uuid
+import asyncio, base64, binascii, concurrent.futures, contextlib, functools, gc, hashlib, io, json, math, logging, re
+import secrets, sys, time, uuid
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any
 from fastcore.basics import patch
@@ -20,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from .core import Segment, SamplingParams
 from .chat import render, encode, turn_glue, absorb
+from .vision import encode_images, flat_content
 
 # %% ../nbs/06_chat_server.ipynb #104ba11f
 class ChatError(Exception):
@@ -101,6 +104,129 @@ def _tool_name(name, where: str) -> str:
         )
     return name
 
+
+@dataclass(eq=False)
+class _Image:
+    "An image of a request, decoded: compared (and keyed for retries) by the hash of its encoded bytes"
+
+    sha: str
+    pixels: Any  # (h, w, 3) uint8 array
+
+    def __eq__(self, other):
+        return isinstance(other, _Image) and other.sha == self.sha
+
+    def __hash__(self):
+        return hash(self.sha)
+
+
+_IMAGE_TYPES = ('image/png', 'image/jpeg', 'image/gif', 'image/webp')
+_DATA_URI = re.compile(r'data:([\w/+.-]+);base64,(.*)', re.S)
+
+
+class _Media:
+    "The images of one multimodal request: decoded from the request itself (never fetched), counted and bounded"
+
+    def __init__(self, limits):
+        self.limits, self.count = limits, 0
+
+    def openai(self, part: dict, where: str) -> _Image:
+        "An OpenAI `image_url` part: a data URI"
+        url = (part.get('image_url') or {}).get('url') if isinstance(part.get('image_url'), dict) else None
+        m = _DATA_URI.fullmatch(url) if isinstance(url, str) else None
+        if m is None:
+            raise _bad(
+                f"{where}.image_url.url is {repr(url)[:60]}: send the image inline as a data URI "
+                "(data:image/png;base64,...); this server fetches nothing from the network",
+                f"{where}.image_url.url",
+            )
+        return self.decode(m[1], m[2], f"{where}.image_url.url")
+
+    def anthropic(self, block: dict, where: str) -> _Image:
+        "An Anthropic `image` block: a base64 source"
+        src = block.get('source') if isinstance(block.get('source'), dict) else {}
+        if src.get('type') != 'base64':
+            raise _bad(
+                f"{where}.source.type is {src.get('type')!r}: send the image inline ({{'type': 'base64', "
+                "'media_type': 'image/png', 'data': ...}}); this server fetches nothing from the network",
+                f"{where}.source",
+            )
+        return self.decode(src.get('media_type'), src.get('data'), f"{where}.source.data")
+
+    def decode(self, media_type, data, where: str) -> _Image:
+        lim = self.limits
+        self.count += 1
+        if self.count > lim.max_images:
+            raise _bad(
+                f"{where}: the request holds more than {lim.max_images} images (ChatLimits.max_images): send fewer",
+                where,
+            )
+        if media_type not in _IMAGE_TYPES:
+            raise _bad(f"{where} is {media_type!r}: send one of {', '.join(_IMAGE_TYPES)}", where)
+        if not isinstance(data, str):
+            raise _bad(f"{where} is a {type(data).__name__}: send the image as a base64 string", where)
+        if len(data) > 4 * -(-lim.max_image_bytes // 3):
+            raise ChatError(
+                413,
+                'request_too_large',
+                f"{where} is about {len(data) * 3 // 4} bytes and this server takes images of at most "
+                f"{lim.max_image_bytes} (ChatLimits.max_image_bytes): send a smaller image",
+                where,
+                'image_too_large',
+            )
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(f"{where} is not valid base64: encode the image's bytes with base64", where) from None
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(raw)) as im:
+                w, h = im.size  # from the header: nothing decoded yet
+                if w * h > lim.max_image_pixels:
+                    raise ChatError(
+                        413,
+                        'request_too_large',
+                        f"{where} is {w}x{h} pixels and this server takes at most {lim.max_image_pixels} "
+                        "(ChatLimits.max_image_pixels): send a smaller image",
+                        where,
+                        'image_too_large',
+                    )
+                pixels = np.asarray(im.convert('RGB'))
+        except ChatError:
+            raise
+        except Exception as e:
+            raise _bad(
+                f"{where} could not be decoded as {media_type} ({type(e).__name__}): send a valid image", where
+            ) from None
+        return _Image(hashlib.sha256(raw).hexdigest(), pixels)
+
+
+def _joined(parts: list):
+    "Parts with adjacent text joined: a string when there is no image"
+    out = []
+    for p in parts:
+        if isinstance(p, str) and out and isinstance(out[-1], str):
+            out[-1] += p
+        else:
+            out.append(p)
+    return ''.join(out) if all(isinstance(p, str) for p in out) else out
+
+
+def _user_content(content, where: str, media: _Media | None):
+    "A user message's content: its text, or text and images for a multimodal server"
+    if media is None or not isinstance(content, list):
+        return _text(content, where)
+    parts = []
+    for i, p in enumerate(content):
+        if isinstance(p, dict) and p.get('type') == 'image_url':
+            parts.append(media.openai(p, f"{where}[{i}]"))
+        elif isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str):
+            parts.append(p['text'])
+        else:
+            kind = p.get('type') if isinstance(p, dict) else type(p).__name__
+            raise _bad(f"{where}[{i}] is a {kind!r} part: send text and image_url parts", f"{where}[{i}]")
+    return _joined(parts)
+
 # %% ../nbs/06_chat_server.ipynb #b71be31e
 def _message(role: str, content: str = '', tool_calls: list | None = None, tool_call_id: str | None = None) -> dict:
     "A canonical message: only the fields the template reads, so equal conversations compare equal"
@@ -112,8 +238,8 @@ def _message(role: str, content: str = '', tool_calls: list | None = None, tool_
     return m
 
 
-def from_openai(messages: list, tools: list | None) -> tuple:
-    "(canonical messages, canonical tools) of an OpenAI chat request"
+def from_openai(messages: list, tools: list | None, media: _Media | None = None) -> tuple:
+    "(canonical messages, canonical tools) of an OpenAI chat request; `media`: a multimodal server's image budget"
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -123,7 +249,7 @@ def from_openai(messages: list, tools: list | None) -> tuple:
         if role in ('system', 'developer'):
             out.append(_message('system', _text(m.get('content'), f"{where}.content")))
         elif role == 'user':
-            out.append(_message('user', _text(m.get('content'), f"{where}.content")))
+            out.append(_message('user', _user_content(m.get('content'), f"{where}.content", media)))
         elif role == 'assistant':
             calls = [
                 _call(
@@ -161,8 +287,9 @@ def _openai_tools(tools: list | None) -> list | None:
     return [dict(type='function', function=t['function']) for t in tools]
 
 # %% ../nbs/06_chat_server.ipynb #e2e563e3
-def _anthropic_user(content, where: str) -> list:
-    "Canonical messages of an Anthropic user message: tool results as tool messages, text runs as user messages"
+def _anthropic_user(content, where: str, media: _Media | None = None) -> list:
+    """Canonical messages of an Anthropic user message: tool results as tool messages, runs of text (and images, on a
+    multimodal server) as user messages"""
     if isinstance(content, str):
         return [_message('user', content)]
     if not isinstance(content, list):
@@ -173,6 +300,9 @@ def _anthropic_user(content, where: str) -> list:
         if kind == 'text':
             text.append(_text([b], f"{where}[{j}]"))
             continue
+        if kind == 'image' and media is not None:
+            text.append(media.anthropic(b, f"{where}[{j}]"))
+            continue
         if kind != 'tool_result':
             raise _bad(
                 f"{where}[{j}] is a {kind!r} block: user messages hold 'text' and 'tool_result' blocks (the model "
@@ -180,13 +310,13 @@ def _anthropic_user(content, where: str) -> list:
                 f"{where}[{j}]",
             )
         if text:
-            out.append(_message('user', ''.join(text)))
+            out.append(_message('user', _joined(text)))
             text = []
         out.append(
             _message('tool', _text(b.get('content'), f"{where}[{j}].content"), tool_call_id=b.get('tool_use_id') or '')
         )
     if text:
-        out.append(_message('user', ''.join(text)))
+        out.append(_message('user', _joined(text)))
     return out
 
 
@@ -215,15 +345,15 @@ def _anthropic_assistant(content, where: str) -> dict:
     return _message('assistant', ''.join(text), calls)
 
 # %% ../nbs/06_chat_server.ipynb #ef87f848
-def from_anthropic(system, messages: list, tools: list | None) -> tuple:
-    "(canonical messages, canonical tools) of an Anthropic messages request"
+def from_anthropic(system, messages: list, tools: list | None, media: _Media | None = None) -> tuple:
+    "(canonical messages, canonical tools) of an Anthropic messages request; `media`: a multimodal server's budget"
     out = [_message('system', _text(system, 'system'))] if system else []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"{where} is a {type(m).__name__}: each message is an object with a role", where)
         if m.get('role') == 'user':
-            out += _anthropic_user(m.get('content'), f"{where}.content")
+            out += _anthropic_user(m.get('content'), f"{where}.content", media)
         elif m.get('role') == 'assistant':
             out.append(_anthropic_assistant(m.get('content'), f"{where}.content"))
         else:
@@ -376,6 +506,7 @@ class Session:
     idempotency_key: str | None = None  # the last request's Idempotency-Key header
     turns: int = 0  # turns sampled
     aborted: bool = False  # the engine aborted a turn (the rollout must restart)
+    processor: Any = None  # a vision-language policy's image processor: the session takes images
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
 
     @property
@@ -397,12 +528,41 @@ def _extends(s: Session, messages: list, tools) -> bool:
 
 def _context(s: Session, tokenizer, messages: list, tools) -> tuple:
     "(sealed segments, segment to sample after): the open segment plus the template delta, or a new segment"
+    if s.processor is not None:
+        return _image_context(s, tokenizer, messages, tools)
     if _extends(s, messages, tools):
         n, r = len(s.messages), s.reply
         glue = turn_glue(tokenizer, s.messages, r.text, r.sampled, messages[n + 1 :], tools, assistant=r.assistant)
         if glue is not None:
             return s.sealed, s.segment.extend(encode(tokenizer, glue))
     return s.segments, Segment.prompt(encode(tokenizer, render(tokenizer, messages, True, tools)))
+
+
+def _flat_messages(messages: list) -> tuple:
+    "(messages with text content, `flat_content`'s image marks where images go; the images in order)"
+    flat, images = [], []
+    for i, m in enumerate(messages):
+        try:
+            text, found = flat_content(m['content'])
+        except ValueError as e:
+            raise _bad(f"messages[{i}].content: {e}", f"messages[{i}].content") from None
+        flat.append({**m, 'content': text})
+        images += found
+    return flat, images
+
+
+def _image_context(s: Session, tokenizer, messages: list, tools) -> tuple:
+    "`_context` of a multimodal session: each image's placeholders in the ids, its pixels on the segment"
+    if _extends(s, messages, tools):
+        n, r = len(s.messages), s.reply
+        (old, _), (new, images) = _flat_messages(s.messages), _flat_messages(messages[n + 1 :])
+        glue = turn_glue(tokenizer, old, r.text, r.sampled, new, tools, assistant=r.assistant)
+        if glue is not None:
+            ids, processed = encode_images(tokenizer, glue, images, s.processor)
+            return s.sealed, s.segment.extend(ids, images=processed)
+    flat, images = _flat_messages(messages)
+    ids, processed = encode_images(tokenizer, render(tokenizer, flat, True, tools), images, s.processor)
+    return s.segments, Segment.prompt(ids, images=processed)
 
 
 def _is_retry(s: Session, key: str, headers) -> bool:
@@ -417,7 +577,7 @@ def _is_retry(s: Session, key: str, headers) -> bool:
 
 def _prepare(s: Session, tokenizer, messages: list, tools, max_tokens, stop_token_ids, headers) -> tuple:
     "(request key, None for a retry or the context to sample after); runs in a worker thread"
-    key = json.dumps([messages, tools, max_tokens, list(stop_token_ids)], sort_keys=True)
+    key = json.dumps([messages, tools, max_tokens, list(stop_token_ids)], sort_keys=True, default=lambda im: im.sha)
     return key, None if _is_retry(s, key, headers) else _context(s, tokenizer, messages, tools)
 
 # %% ../nbs/06_chat_server.ipynb #04521f8f
@@ -466,7 +626,8 @@ async def chat_turn(
     sampling = s.sampling.replace(
         max_tokens=cap, stop_token_ids=tuple(dict.fromkeys(s.sampling.stop_token_ids + tuple(stop_token_ids)))
     )
-    gen = await s.engine.generate(seg.token_ids, sampling, session_id=s.id)
+    images = {} if seg.images is None else dict(images=seg.images)
+    gen = await s.engine.generate(seg.token_ids, sampling, session_id=s.id, **images)
     if gen.finish_reason == 'abort':
         s.aborted = True
         raise ChatError(
@@ -601,7 +762,7 @@ def _tool_choice(choice, tools: list | None, name: str | None, param: str = 'too
     )
 
 
-def _openai_call(req: OpenAIRequest, tokenizer) -> tuple:
+def _openai_call(req: OpenAIRequest, tokenizer, media: _Media | None = None) -> tuple:
     "(messages, tools, max_tokens, stop ids) of an OpenAI request"
     if req.n not in (None, 1):
         raise _bad(
@@ -610,7 +771,7 @@ def _openai_call(req: OpenAIRequest, tokenizer) -> tuple:
             'n',
         )
     _unserved(req, _OPENAI_UNSERVED)
-    messages, tools = from_openai(req.messages, req.tools)
+    messages, tools = from_openai(req.messages, req.tools, media)
     choice, name = req.tool_choice, None
     if isinstance(choice, dict):
         fn = choice.get('function')
@@ -629,11 +790,11 @@ def _openai_call(req: OpenAIRequest, tokenizer) -> tuple:
     return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', _MAX_STOPS['openai'])
 
 
-def _anthropic_call(req: AnthropicRequest, tokenizer) -> tuple:
+def _anthropic_call(req: AnthropicRequest, tokenizer, media: _Media | None = None) -> tuple:
     if req.max_tokens < 1:
         raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
     _unserved(req, _ANTHROPIC_UNSERVED)
-    messages, tools = from_anthropic(req.system, req.messages, req.tools)
+    messages, tools = from_anthropic(req.system, req.messages, req.tools, media)
     if req.tool_choice is not None:
         if req.tool_choice.get('disable_parallel_tool_use'):
             raise _bad(
@@ -806,6 +967,9 @@ class ChatLimits:
     max_parts: int = 1024  # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
     max_depth: int = 64  # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
     max_connections: int = 1024  # uvicorn's limit_concurrency: connections and requests beyond it get a 503
+    max_images: int = 16  # images in one request (a multimodal server's; a text server refuses any)
+    max_image_bytes: int = 1 << 20  # one image's encoded bytes: beyond, a 413
+    max_image_pixels: int = 1 << 22  # one image's width x height, read from its header before decoding: beyond, a 413
 
 
 class ChatServer:
@@ -819,8 +983,10 @@ class ChatServer:
         token: str | None = None,  # the bearer token clients must send (default: a fresh random one)
         model_name: str = 'policy',  # the one model name served
         limits: ChatLimits | None = None,  # what one request may hold (default: `ChatLimits()`)
+        processor=None,  # a vision-language policy's image processor: sessions take images (data URIs only)
     ):
         self.tokenizer, self.host, self.port, self.model_name = tokenizer, host, port, model_name
+        self.processor = processor
         self.token, self.limits = token or secrets.token_urlsafe(24), limits or ChatLimits()
         self.token_chars = _token_chars(tokenizer)
         self.sessions, self.loop, self._server, self._task = {}, None, None, None
@@ -887,7 +1053,7 @@ async def stop(self: ChatServer):
 @patch
 def open(self: ChatServer, engine, sampling: SamplingParams, max_context: int = 2048) -> Session:
     "A new session sampling from `engine`"
-    s = Session(uuid.uuid4().hex, engine, sampling, max_context)
+    s = Session(uuid.uuid4().hex, engine, sampling, max_context, processor=self.processor)
     self.sessions[s.id] = s
     return s
 
@@ -985,8 +1151,9 @@ async def _chat(server: ChatServer, request: Request, session_id: str, wire: str
             f"session {session_id!r} does not exist (or its rollout ended): use the URL of the rollout's ChatContext",
             code='session_not_found',
         )
+    media = _Media(server.limits) if server.processor is not None else None
     decode = lambda: _fits(
-        server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer)
+        server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer, media)
     )
     messages, tools, max_tokens, stops = await _off_loop(decode) if size > _INLINE_BYTES else decode()
     async with s.lock:
@@ -1237,8 +1404,9 @@ def _check_arguments(arguments, where: str, limits: ChatLimits):
 # %% ../nbs/06_chat_server.ipynb #h1lim07
 def _fits(server: ChatServer, s: Session, messages: list, *rest) -> tuple:
     "The decoded request, refused at once when its text alone cannot fit the session's context (nothing tokenised yet)"
+    text = lambda c: c if isinstance(c, str) else ''.join(p for p in c if isinstance(p, str))  # images aside
     chars = sum(
-        len(m['content'].strip()) for m in messages if m['role'] != 'assistant'
+        len(text(m['content']).strip()) for m in messages if m['role'] != 'assistant'
     )  # templates may trim; assistant turns are ours
     floor = -(-chars // server.token_chars)
     if floor >= s.max_context:

@@ -7,7 +7,7 @@ __all__ = ['TRAIN_BACKENDS', 'PARAM_DTYPES', 'TRANSPORTS', 'WANDB_MODES', 'TRACK
            'ENGINE_DTYPES', 'HUB_ID', 'ENGINES', 'ModelConfig', 'WarmStartConfig', 'RolloutConfig', 'AlgoConfig',
            'OptimConfig', 'TrainConfig', 'LoopConfig', 'ClusterConfig', 'TrackersConfig', 'tracker_missing',
            'RunConfig', 'train_backend', 'check', 'is_hub_id', 'local_checkpoint', 'policy_is_moe', 'load_config',
-           'flatten_fields', 'with_fields', 'build_policy', 'policy_tokenizer']
+           'flatten_fields', 'with_fields', 'build_policy', 'policy_processor', 'policy_tokenizer']
 
 # %% ../nbs/13_config.ipynb #1105c60e
 import dataclasses, difflib, importlib.util, json, math, re, tomllib, types
@@ -17,6 +17,7 @@ from pathlib import Path
 from .estimators import get_estimator
 from .losses import LossConfig
 from .models import TinyConfig, build_model, build_tokenizer, load_policy
+from .vision import image_processor, tiny_vl, vision_tokenizer
 from .placement import ClusterShape, check_request
 from .routing import RoutingConfig
 
@@ -30,6 +31,9 @@ class ModelConfig(TinyConfig):
     # Face cache (never downloaded); None builds the tiny model from the fields above
     path: str | None = None
     max_position: int = 64  # longest sequence: a run's tiny model needs no longer (TinyConfig's own default is 4096)
+    # a tiny Qwen3-VL built in code (`molt_nb.vision.tiny_vl`: the shape fields above for its text model, a two-block
+    # vision tower, 8-pixel patches) that reads images; with `path` set, the checkpoint's config decides
+    vision: bool = False
 
 
 @dataclass(frozen=True)
@@ -570,6 +574,11 @@ def _check_ranges(cfg: RunConfig, r, loop_cfg):
         )
     if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0:
         raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
+    if cfg.model.vision and cfg.model.path is None and cfg.model.num_experts:
+        raise ValueError(
+            "model.vision with model.num_experts > 0: the tiny vision-language policy built in code is dense; set "
+            "num_experts = 0, or give the path of a Qwen3-VL-MoE checkpoint"
+        )
     if cfg.model.path is not None and not (Path(cfg.model.path).is_dir() or is_hub_id(cfg.model.path)):
         raise ValueError(
             f"model.path is {cfg.model.path!r}, which is neither a directory nor a hub id: give a local checkpoint "
@@ -610,6 +619,7 @@ def policy_is_moe(cfg: RunConfig) -> bool:
     if cfg.model.path is None:
         return cfg.model.num_experts > 0
     config = json.loads((local_checkpoint(cfg.model.path) / 'config.json').read_text())
+    config = config.get('text_config', config)  # a vision-language model's text model routes
     # transformers 5 saves a Qwen3-MoE's expert count as num_local_experts (the hub's configs say num_experts)
     return bool(config.get('num_experts') or config.get('num_local_experts') or config.get('n_routed_experts'))
 
@@ -627,6 +637,11 @@ def _check_engine(cfg: RunConfig, r, loop_cfg):
                 "tensor parallelism: it would reserve GPUs it never uses; use 1, or rollout.engine='vllm'"
             )
         return
+    if cfg.model.vision and cfg.model.path is None:
+        raise ValueError(
+            "model.vision with rollout.engine='vllm': the tiny vision-language policy is built in code for the torch "
+            "engine, and VLLMEngine does not pass images yet; use rollout.engine='torch'"
+        )
     if loop_cfg.mode == 'partial':
         raise ValueError(
             "loop.mode='partial' with rollout.engine='vllm': a request vLLM holds across a sync samples its later "
@@ -708,15 +723,38 @@ def build_policy(cfg: RunConfig) -> tuple:
     if cfg.model.path is not None:
         return load_policy(local_checkpoint(cfg.model.path))
     # the run's seed, so the trainer, every engine and the warm start build the same weights
+    m = cfg.model
+    if m.vision:
+        tok = vision_tokenizer()
+        shape = dict(hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads, kv_heads=m.num_kv_heads)
+        return tiny_vl(
+            tok,
+            seed=cfg.loop.seed,
+            head_dim=m.head_dim,
+            intermediate=m.intermediate_size,
+            max_position=m.max_position,
+            **shape,
+        ), tok
     tok = build_tokenizer()
-    return build_model(dataclasses.replace(cfg.model, seed=cfg.loop.seed), tok), tok
+    return build_model(dataclasses.replace(m, seed=cfg.loop.seed), tok), tok
+
+
+def policy_processor(cfg: RunConfig):
+    "The image processor of a vision-language policy (the checkpoint's, or the one `tiny_vl` reads); None for text"
+    if cfg.model.path is None:
+        return image_processor() if cfg.model.vision else None
+    path = local_checkpoint(cfg.model.path)
+    if not (path / 'preprocessor_config.json').is_file():
+        return None
+    return transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
 
 # %% ../nbs/13_config.ipynb #f470c6e8
 def policy_tokenizer(cfg: RunConfig) -> tuple:
     "(tokenizer, vocab size) of the run's policy, without building it: the orchestrator needs no weights"
     if cfg.model.path is None:
+        if cfg.model.vision:
+            return (tok := vision_tokenizer()), len(tok)
         return build_tokenizer(), cfg.model.vocab_size
     path = dict(pretrained_model_name_or_path=str(local_checkpoint(cfg.model.path)), local_files_only=True)
-    return transformers.AutoTokenizer.from_pretrained(**path), transformers.AutoConfig.from_pretrained(
-        **path
-    ).vocab_size
+    config = transformers.AutoConfig.from_pretrained(**path)
+    return transformers.AutoTokenizer.from_pretrained(**path), config.get_text_config().vocab_size

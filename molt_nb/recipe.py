@@ -15,7 +15,8 @@ from .models import TinyConfig, build_model
 from .engine import TorchEngine
 from .agents import load_agent, load_module, shown
 from .pool import traceback_of, within
-from .config import RunConfig, build_policy, local_checkpoint
+from .config import RunConfig, build_policy, local_checkpoint, policy_processor
+from .vision import tiny_vl
 
 # %% ../nbs/18_recipe.ipynb #07156fc9
 @dataclass
@@ -93,11 +94,14 @@ def _check_demos(module, cfg: RunConfig, where: str):
         pairs = demos(n, seed)
     except Exception as e:
         raise RecipeError(f"demos({n}, {seed}) in {where} raised {type(e).__name__}: {e}") from e
-    pair = lambda p: isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(s, str) for s in p)
+    # a vision-language recipe's prompt is a list of text and images
+    pair = lambda p: (
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], (str, list)) and isinstance(p[1], str)
+    )
     if not (isinstance(pairs, (list, tuple)) and pairs and all(map(pair, pairs))):
         raise RecipeError(
             f"demos({n}, {seed}) in {where} returned {shown(pairs)}, expected a non-empty list of (prompt, completion) "
-            "string pairs"
+            "pairs: the completion a string, the prompt a string (or a list of text and images)"
         )
 
 
@@ -110,6 +114,8 @@ def _stand_in(cfg: RunConfig) -> tuple:
         tok = transformers.AutoTokenizer.from_pretrained(local_checkpoint(cfg.model.path), local_files_only=True)
     except ValueError as e:
         raise RecipeError(f"{e}; the recipe check needs the checkpoint's tokenizer where it runs") from None
+    if (proc := policy_processor(cfg)) is not None:  # a vision-language checkpoint: a tiny one that reads its images
+        return tiny_vl(tok, patch=proc.patch_size, merge=proc.merge_size, max_position=32768), tok
     return build_model(TinyConfig(vocab_size=len(tok), max_position=32768), tok), tok
 
 # %% ../nbs/18_recipe.ipynb #31392835

@@ -14,30 +14,39 @@ import torch.nn.functional as F
 import transformers
 from .engine import TorchEngine
 from .agents import load_module
+from .vision import encode_parts, vision_inputs
 from .chat import encode
 from .pool import RunStopped
 from .models import save_policy
-from .config import RunConfig, build_policy, load_config
+from .config import RunConfig, build_policy, load_config, policy_processor
 from .recipe import check_recipe, recipe_parts, run_sync
 from .loop import evaluate
 from .controller import launch
 
 # %% ../nbs/24_train.ipynb #38d722b9
-def demo_rows(tokenizer, pairs: list) -> tuple:
-    "(ids, labels) of (prompt, completion) pairs, right-padded; labels are -100 on the prompt and padding"
-    rows = [(encode(tokenizer, p), encode(tokenizer, c)) for p, c in pairs]
+def demo_rows(
+    tokenizer,
+    pairs: list,  # (prompt, completion): a prompt is text, or text and images (a vision-language recipe's)
+    processor=None,  # the policy's image processor, when prompts hold images
+) -> tuple:
+    """(ids, labels, images) of (prompt, completion) pairs, right-padded; labels are -100 on the prompt and padding;
+    images: each row's `Images`, or None when no prompt has one"""
+    prompts = [encode_parts(tokenizer, p, processor) for p, _ in pairs]
+    rows = [(p, encode(tokenizer, c)) for (p, _), (_, c) in zip(prompts, pairs)]
     T = max(len(p) + len(c) for p, c in rows)
     ids, labels = torch.zeros(len(rows), T, dtype=torch.long), torch.full((len(rows), T), -100)
     for i, (p, c) in enumerate(rows):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-    return ids, labels
+    images = [im for _, im in prompts]
+    return ids, labels, images if any(im is not None for im in images) else None
 
 
 def supervised(
     model,
     ids,
     labels,  # the model (trained in place) and `demo_rows` output
+    images: list | None = None,  # `demo_rows`' images, for a vision-language model
     steps: int | None = None,
     seconds: float | None = None,  # stop after this many steps or this much time
     lr: float = 1e-3,
@@ -54,7 +63,12 @@ def supervised(
     model.train()
     while (steps is None or step < steps) and (seconds is None or time.perf_counter() - start < seconds):
         idx = torch.randint(len(ids), (batch_size,), generator=g)
-        logits = model(input_ids=ids[idx]).logits[:, :-1]
+        kw = {}
+        if images is not None:  # each row's pixels, and its 3D positions over its real tokens (prompt, completion)
+            real = labels[idx] != -100
+            lengths = real.shape[1] - real.flip(1).int().argmax(1)
+            kw = vision_inputs(ids[idx], lengths, [images[i] for i in idx.tolist()])
+        logits = model(input_ids=ids[idx], **kw).logits[:, :-1]
         loss = F.cross_entropy(logits.float().transpose(1, 2), labels[idx][:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -95,12 +109,14 @@ def warm_start(cfg: RunConfig, show: bool = False) -> tuple:
     w, module = cfg.warm_start, load_module(cfg.agent_path)
     torch.manual_seed(cfg.loop.seed)
     model, tok = build_policy(cfg)
-    ids, labels = demo_rows(tok, module.demos(w.demos, cfg.loop.seed))
+    processor = policy_processor(cfg)
+    ids, labels, images = demo_rows(tok, module.demos(w.demos, cfg.loop.seed), processor)
     with _bar(w.steps, 'steps', 'warm start', show) as bar:
         loss = supervised(
             model,
             ids,
             labels,
+            images,
             steps=w.steps,
             lr=w.lr,
             batch_size=w.batch_size,
@@ -112,6 +128,8 @@ def warm_start(cfg: RunConfig, show: bool = False) -> tuple:
     path = Path(cfg.run_dir) / 'warm_start'
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar is noise in a terminal
     save_policy(model.eval(), tok, path)
+    if processor is not None:  # the RL run reads the policy's processor from its checkpoint
+        processor.save_pretrained(path)
     return path, held_out(model, cfg, tok)
 
 
@@ -124,7 +142,9 @@ def control(
     "Held-out accuracies of continued supervised training on the warm start's demos, evaluated `evals` times"
     w = cfg.warm_start
     model, tok = build_policy(cfg)
-    ids, labels = demo_rows(tok, load_module(cfg.agent_path).demos(w.demos, cfg.loop.seed))
+    ids, labels, images = demo_rows(
+        tok, load_module(cfg.agent_path).demos(w.demos, cfg.loop.seed), policy_processor(cfg)
+    )
     out = []
     with _bar(seconds, 's', 'control', show) as bar:
         for i in range(evals):
@@ -133,6 +153,7 @@ def control(
                 model,
                 ids,
                 labels,
+                images,
                 seconds=seconds / evals,
                 lr=w.lr,
                 batch_size=w.batch_size,

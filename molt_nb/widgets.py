@@ -149,6 +149,10 @@ STYLE = """<style>
 .molt-tokens .tok.gated {opacity: 0.45; text-decoration: line-through}
 .molt-tokens .tok.untrained {outline: 1px dotted #999}
 .molt-tokens .tok.outlier {outline: 2px solid #000}
+.molt-tokens .tok.image {background: #eee; color: #333; position: relative; cursor: default}
+.molt-tokens .tok.image .thumb {display: none; position: absolute; left: 0; top: 100%; z-index: 10; width: 128px;
+  image-rendering: pixelated; border: 1px solid #999; background: #fff}
+.molt-tokens .tok.image:hover .thumb {display: block}
 .molt-legend {font-size: 11px; margin: 2px 0}
 .molt-legend .note {color: #666}
 .molt-table td, .molt-table th {font-family: monospace; font-size: 11px; padding: 0 6px; text-align: right}
@@ -207,12 +211,18 @@ def token_html(
             f'<span class="tok {r.mark}{" outlier" if i == highlight else ""}" data-log-ratio="{r.log_ratio:.6f}" '
             f'style="background:{c}; color:{ink(c)}" title="{html.escape(tip)}">{_piece(r.token)}</span>'
         )
+    images = row.get('images') if hasattr(row, 'get') else None
+    pictures = [  # the context's images: one chip each (not their placeholder tokens), the image on hover
+        f'<span class="tok image" title="image {k + 1} of the context (hover to see it)">&#x1F5BC; {k + 1}'
+        f'<img class="thumb" src="{html.escape(uri)}" alt="image {k + 1}"></span>'
+        for k, uri in enumerate(images if images is not None else [])
+    ]
     head = (
         f'<div class="molt-head">{html.escape(str(row["rollout_id"]))} | reward {row["reward"]:.3f} | gate: '
         f'{gate} (level {level}) | versions {min(row["versions"], default="-")}..{max(row["versions"], default="-")}'
         '</div>'
     )
-    return f'<div class="molt-tokens">{head}{"".join(spans)}</div>'
+    return f'<div class="molt-tokens">{head}{"".join(pictures + spans)}</div>'
 
 
 def table_html(t: pd.DataFrame) -> str:

@@ -42,10 +42,10 @@ def recipe(root: Path, name: str, old: str = '', new: str = '') -> Path:
 
 # the mistakes caught before Ray: (recipe edit, extra arguments, what the message must name)
 BEFORE_RAY = dict(
-    reset_list=(
-        ("return task['prompt']", "return [task['prompt']]"),
+    reset_dict=(
+        ("return task['prompt']", "return {'text': task['prompt']}"),
         [],
-        ["Parity.reset returned a list (['", "needs the prompt as a string"],
+        ["Parity.reset returned a dict ({'text'", "needs the prompt as a string"],
     ),
     step_float=(("return Result(reward=", "return ("), [], ["Parity.step returned a float", "expected a Result"]),
     no_tasks=(("def tasks(split: str)", "def train_tasks(split: str)"), [], ["does not export tasks(split)"]),
@@ -81,10 +81,10 @@ def run_cli(argv: list, capsys) -> tuple:
     return result['exit'], captured.out, captured.err, time.monotonic() - start
 
 
-def test_reset_list_named_by_the_real_command(tmp_path):
-    """The real `molt-nb train` on an Env.reset returning a list: the check names it in seconds (it used to hang at 0/2
+def test_reset_dict_named_by_the_real_command(tmp_path):
+    """The real `molt-nb train` on an Env.reset returning a dict: the check names it in seconds (it used to hang at 0/2
     steps)"""
-    d = recipe(tmp_path, 'reset_list', *BEFORE_RAY['reset_list'][0])
+    d = recipe(tmp_path, 'reset_dict', *BEFORE_RAY['reset_dict'][0])
     start = time.monotonic()
     try:
         p = subprocess.run(
@@ -98,7 +98,7 @@ def test_reset_list_named_by_the_real_command(tmp_path):
         pytest.fail(f"molt-nb train hung for {HANG_S} s:\n{e.stdout}\n{e.stderr}")
     seconds = time.monotonic() - start
     assert p.returncode != 0 and seconds < LIMIT_S, (seconds, p.stdout, p.stderr)
-    for expected in BEFORE_RAY['reset_list'][2]:
+    for expected in BEFORE_RAY['reset_dict'][2]:
         assert expected in p.stderr, p.stderr
     assert 'Traceback' not in p.stderr and 'RL:' not in p.stdout, (
         p.stdout,

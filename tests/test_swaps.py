@@ -267,17 +267,17 @@ def test_nonfinite_gradient_costs_the_update_not_the_run(tmp_path):
 
 
 def test_launch_names_a_broken_recipe_before_ray(tmp_path):
-    "launch() of a recipe whose Env.reset returns a list raises the recipe check's error before Ray is touched"
+    "launch() of a recipe whose Env.reset returns a dict raises the recipe check's error before Ray is touched"
     ray = pytest.importorskip('ray')
     d = tmp_path / 'reset_list'
     d.mkdir()
     (d / 'recipe.toml').write_text((PARITY / 'recipe.toml').read_text())
     src = (PARITY / 'agent.py').read_text()
     assert "return task['prompt']" in src
-    (d / 'agent.py').write_text(src.replace("return task['prompt']", "return [task['prompt']]"))
+    (d / 'agent.py').write_text(src.replace("return task['prompt']", "return {'text': task['prompt']}"))
     cfg = load_config(d, [f'run_dir="{tmp_path / "run"}"'])
     start, connected = time.monotonic(), ray.is_initialized()  # an earlier test of the session may have connected
-    with pytest.raises(RecipeError, match='reset returned a list'):
+    with pytest.raises(RecipeError, match='reset returned a dict'):
         launch(cfg, name='broken-recipe')
     assert ray.is_initialized() == connected, 'launch connected to Ray before checking the recipe'
     if connected:

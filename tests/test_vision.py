@@ -8,7 +8,7 @@ import torch
 from molt_nb.actor import PolicyActor
 from molt_nb.agents import Env, StepEnvRunner
 from molt_nb.chat import encode, literal
-from molt_nb.core import Result, SamplingParams, Segment, collate
+from molt_nb.core import Result, SamplingParams, Segment, Trajectory, collate
 from molt_nb.engine import TorchEngine
 from molt_nb.models import tiny_dense
 from molt_nb.vision import (
@@ -170,3 +170,152 @@ def test_bad_images_are_refused_with_the_reason():
     seg = Segment.prompt(ids, images=ia)
     with pytest.raises(ValueError, match='would cut image 0'):
         seg.truncate(len(ids) - 3)
+
+
+# --- the chat server takes images on both wires ---------------------------------------------------------------
+
+
+def png_b64(pixels) -> str:
+    import base64, io
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, 'PNG')
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_server_round_trips_images_through_both_sdks():
+    import anthropic, openai
+    from molt_nb.chat_server import ChatLimits, ChatServer
+
+    model = tiny_vl(TOK, seed=5)
+    a, b = png_b64(A), png_b64(B)
+    oa_image = lambda data: dict(type='image_url', image_url=dict(url=f'data:image/png;base64,{data}'))
+    an_image = lambda data: dict(type='image', source=dict(type='base64', media_type='image/png', data=data))
+
+    async def go():
+        engine = TorchEngine(copy.deepcopy(model), seed=0)
+        server = await ChatServer(TOK, processor=PROC, limits=ChatLimits(max_images=2, max_image_bytes=20_000)).start()
+        text_server = await ChatServer(TOK).start()
+        sp = SamplingParams(max_tokens=5)
+        try:
+            sessions = []
+            # OpenAI: an image in the first message, a second in a later turn
+            s = server.open(engine, sp, 512)
+            oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+            msgs = [dict(role='user', content=[dict(type='text', text='count: '), oa_image(a)])]
+            r1 = await oa.chat.completions.create(model='policy', messages=msgs)
+            msgs += [
+                dict(role='assistant', content=r1.choices[0].message.content),
+                dict(role='user', content=[oa_image(b), dict(type='text', text=' and now?')]),
+            ]
+            await oa.chat.completions.create(model='policy', messages=msgs)
+            sessions.append(s)
+            # Anthropic: the same with image blocks
+            s = server.open(engine, sp, 512)
+            an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+            amsgs = [dict(role='user', content=[dict(type='text', text='count: '), an_image(a)])]
+            r1 = await an.messages.create(model='policy', messages=amsgs, max_tokens=5)
+            amsgs += [
+                dict(role='assistant', content=r1.content[0].text if r1.content else ''),
+                dict(role='user', content=[an_image(b), dict(type='text', text=' and now?')]),
+            ]
+            await an.messages.create(model='policy', messages=amsgs, max_tokens=5)
+            sessions.append(s)
+            # refusals: each says why, with a 4xx
+            s = server.open(engine, sp, 512)
+            oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+            big = png_b64(torch.randint(0, 255, (120, 120, 3), dtype=torch.uint8).numpy())  # noise: ~43 kB as PNG
+            refused = {}
+            for name, content in [
+                ('too large', [oa_image(big)]),
+                ('too many', [oa_image(a)] * 3),
+                ('fetch', [dict(type='image_url', image_url=dict(url='http://example.com/a.png'))]),
+                ('not an image', [oa_image('aGVsbG8=')]),
+            ]:
+                with pytest.raises(openai.APIStatusError) as e:
+                    await oa.chat.completions.create(model='policy', messages=[dict(role='user', content=content)])
+                refused[name] = (e.value.status_code, str(e.value))
+            t = text_server.open(engine, sp, 512)
+            to = openai.AsyncOpenAI(base_url=text_server.base_url(t.id), api_key=text_server.token, max_retries=0)
+            with pytest.raises(openai.BadRequestError, match='reads text only'):
+                await to.chat.completions.create(model='policy', messages=[dict(role='user', content=[oa_image(a)])])
+            an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+            with pytest.raises(anthropic.BadRequestError, match='fetches nothing'):
+                url = dict(type='image', source=dict(type='url', url='http://example.com/a.png'))
+                await an.messages.create(model='policy', messages=[dict(role='user', content=[url])], max_tokens=5)
+            return sessions, refused
+        finally:
+            await server.stop()
+            await text_server.stop()
+            engine.close()
+
+    sessions, refused = asyncio.run(asyncio.wait_for(go(), 120))
+    assert refused['too large'][0] == 413 and 'max_image_bytes' in refused['too large'][1]
+    assert refused['too many'][0] == 400 and 'max_images' in refused['too many'][1]
+    assert refused['fetch'][0] == 400 and 'data URI' in refused['fetch'][1]
+    assert refused['not an image'][0] == 400 and 'could not be decoded' in refused['not an image'][1]
+    trs = []
+    for i, s in enumerate(sessions):
+        seg = s.segments[-1]  # the second request extended the first turn's segment, or re-rendered both images
+        assert seg.images.tokens.tolist() == [16, 6] and seg.token_ids.tolist().count(PAD) == 22
+        assert torch.equal(seg.images.pixel_values, process_images(PROC, [A, B], TOK).pixel_values)
+        trs.append(Trajectory(f'r{i}', 'g', 0, s.segments, reward=1.0))
+    batch = collate(trs)
+    lp = PolicyActor(copy.deepcopy(model), micro_batch_rows=2).logprobs(batch)
+    assert ((lp - batch.logprobs) * batch.action_mask).abs().max() < 1e-5
+
+
+# --- the trainer steps on images, and the dashboard shows them ------------------------------------------------
+
+
+def test_train_step_and_token_view_show_one_chip_per_image():
+    "A GRPO step on multi-turn image rollouts moves the vision tower; the token view shows each image once, on hover"
+    from test_browser import FLAGS, chromium
+    from molt_nb.store import sample_frame, token_columns
+    from molt_nb.widgets import STYLE, token_html
+
+    model = tiny_vl(TOK, seed=6)
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    runner = StepEnvRunner(lambda: Look(False), TOK, max_turns=2, max_context=256, template=False, processor=PROC)
+
+    async def rollouts():
+        return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(4)))
+
+    try:
+        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
+    finally:
+        engine.close()
+    for i, tr in enumerate(trs):
+        tr.reward = float(i % 2)  # a group with a spread: GRPO has advantages to step on
+    batch = collate(trs)
+    actor = PolicyActor(copy.deepcopy(model), micro_batch_rows=2)
+    vision_before = [p.detach().clone() for p in actor.model.model.visual.parameters()]
+    res = actor.train_step(batch)
+    assert torch.isfinite(torch.tensor(res.metrics['loss'])), res.metrics
+    moved = [not torch.equal(a, b) for a, b in zip(vision_before, actor.model.model.visual.parameters())]
+    assert any(moved), 'the gradient reached the vision tower'
+    frame = sample_frame(1, trs, TOK, token_columns(batch, res))
+    assert [len(x) for x in frame['images']] == [2] * 4, 'two distinct images per rollout, each drawn once'
+    assert len(set(frame['images'][0])) == 2 and frame['images'][0] == frame['images'][1]
+    page_html = f"<html><body>{STYLE}{token_html(frame.iloc[0].to_dict())}</body></html>"
+    assert '<|image_pad|>' not in page_html
+
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), headless=True, args=FLAGS)
+        try:
+            page = browser.new_page()
+            page.set_content(page_html)
+            chips = page.locator('.tok.image')
+            assert chips.count() == 2
+            assert page.locator('.tok').count() == 2 + len(frame['token_ids'][0]), 'the sampled tokens, one chip each'
+            thumb = chips.nth(1).locator('img.thumb')
+            assert not thumb.is_visible(), 'the thumbnail shows on hover only'
+            chips.nth(1).hover()
+            assert thumb.is_visible()
+            size = thumb.evaluate('(i) => [i.complete, i.naturalWidth, i.naturalHeight]')
+            assert size == [True, 48, 32], size  # image B (32x48), decoded
+        finally:
+            browser.close()
