@@ -34,6 +34,8 @@ class ModelConfig(TinyConfig):
     # a tiny Qwen3-VL built in code (`molt_nb.vision.tiny_vl`: the shape fields above for its text model, a two-block
     # vision tower, 8-pixel patches) that reads images; with `path` set, the checkpoint's config decides
     vision: bool = False
+    vision_hidden: int = 32  # the vision tower's width (model.vision)
+    vision_depth: int = 2  # the vision tower's blocks (model.vision)
 
 
 @dataclass(frozen=True)
@@ -732,6 +734,8 @@ def build_policy(cfg: RunConfig) -> tuple:
             seed=cfg.loop.seed,
             head_dim=m.head_dim,
             intermediate=m.intermediate_size,
+            vision_hidden=m.vision_hidden,
+            vision_depth=m.vision_depth,
             max_position=m.max_position,
             **shape,
         ), tok
