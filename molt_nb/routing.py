@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from fastcore.basics import patch_to
-from .models import moe_gates
+from .models import decoder_layers, moe_gates
 
 # %% ../nbs/11_routing.ipynb #c1a602b7
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class RouteReplay:
                 f"{type(model).__name__} has no MoE layers: routing replay needs a mixture-of-experts model"
             )
         g = next(iter(self.gates.values()))
-        self.num_layers, self.top_k, self.num_experts = len(model.model.layers), g.top_k, g.num_experts
+        self.num_layers, self.top_k, self.num_experts = len(decoder_layers(model)), g.top_k, g.num_experts
         self.replay, self._routes, self.natural, self.used = replay, None, {}, {}
         self._handles = [gate.register_forward_hook(self._hook(i)) for i, gate in self.gates.items()]
 
@@ -165,7 +165,9 @@ def _hook(self, i: int):
                     f"layer {i}'s router saw {len(ids)} tokens but the replayed batch has {len(self._routes)}: run "
                     "exactly the batch given to replaying()"
                 )
-            weights, ids = _replayed(logits, ids, weights, self._routes[:, i], gate.norm_topk_prob)
+            # Qwen3-VL-MoE's routers always renormalise (they have no norm_topk_prob)
+            renormalise = getattr(gate, 'norm_topk_prob', True)
+            weights, ids = _replayed(logits, ids, weights, self._routes[:, i], renormalise)
         self.used[i] = ids.detach()
         return logits, weights, ids
 

@@ -18,6 +18,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from .core import Images
 import reprlib
@@ -152,7 +154,8 @@ def tiny_vl(
     merge: int = 2,
     intermediate: int | None = None,  # the text MLP's width (default 2 * hidden)
     max_position: int = 256,  # longest sequence the rotary embedding is configured for
-) -> Qwen3VLForConditionalGeneration:
+    experts: int = 0,  # > 0: a Qwen3-VL-MoE, every text layer a mixture of this many experts (top-2)
+):
     "A Qwen3-VL policy a few hundred thousand parameters big, in fp32 and eval mode, built in code"
     ids = dict(
         zip(
@@ -161,7 +164,12 @@ def tiny_vl(
         )
     )
     quarter = head_dim // 4
-    cfg = Qwen3VLConfig(
+    config, cls = (
+        (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+        if experts
+        else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    )
+    cfg = config(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=hidden,
@@ -180,6 +188,7 @@ def tiny_vl(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             bos_token_id=tok.pad_token_id,
+            **(dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=hidden) if experts else {}),
         ),
         vision_config=dict(
             depth=vision_depth,
@@ -200,7 +209,7 @@ def tiny_vl(
     cfg._attn_implementation = 'sdpa'
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(cfg)
+        model = cls(cfg)
     return model.to(torch.float32).eval()
 
 # %% ../nbs/01a_vision.ipynb #6183077d

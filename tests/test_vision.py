@@ -1,6 +1,7 @@
 """Images through the token-first contract: the engine, the step runner and the trainer agree on a tiny Qwen3-VL."""
 
 import asyncio, copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,3 +320,68 @@ def test_train_step_and_token_view_show_one_chip_per_image():
             assert size == [True, 48, 32], size  # image B (32x48), decoded
         finally:
             browser.close()
+
+
+def test_molt_nb_train_runs_the_shapes_recipe_end_to_end(tmp_path):
+    """The real command on recipes/shapes at toy scale, as a user starts it (no RAY_* variables): the warm start on
+    image demos, async RL through Ray, the control; the samples hold each rollout's image"""
+    import os, subprocess, sys
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
+    args = [
+        f'run_dir="{tmp_path}"',
+        'warm_start.demos=64',
+        'warm_start.steps=20',
+        'loop.seconds=8',
+        'loop.eval_tasks=16',
+        'rollout.groups_per_step=4',
+        'rollout.groups_in_flight=8',
+    ]
+    cli = Path(sys.executable).parent / 'molt-nb'
+    p = subprocess.run(
+        [str(cli), 'train', str(root / 'recipes' / 'shapes'), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = pd.read_csv(tmp_path / 'summary.csv')
+    assert list(summary.stage) == ['warm start (supervised)', 'after RL', 'control: more supervision']
+    assert summary.accuracy.between(0, 1).all()
+    samples = pd.concat(pd.read_parquet(f) for f in (tmp_path / 'samples').glob('until_*.parquet'))
+    assert len(samples) and all(len(x) == 1 and x[0].startswith('data:image/png;base64,') for x in samples.images)
+
+
+def test_routing_replay_on_a_moe_vlm():
+    "A Qwen3-VL-MoE: the engine reports each token's experts (image tokens too), and the trainer replays them"
+    from molt_nb.models import moe_gates
+    from molt_nb.routing import RoutingConfig
+
+    model = tiny_vl(TOK, seed=7, experts=4)
+    assert sorted(moe_gates(model)) == [0, 1]
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    runner = StepEnvRunner(lambda: Look(False), TOK, max_turns=2, max_context=256, template=False, processor=PROC)
+
+    async def rollouts():
+        return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(3)))
+
+    try:
+        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
+    finally:
+        engine.close()
+    seg = trs[0].segments[-1]
+    assert seg.routes is not None and seg.routes.shape[1:] == (2, 2)
+    assert (seg.routes[seg.token_ids == PAD] >= 0).all(), 'the image tokens were routed and reported'
+    batch = collate(trs)
+    actor = PolicyActor(copy.deepcopy(model), micro_batch_rows=2, routing=RoutingConfig(replay=True))
+    lp = actor.logprobs(batch)
+    assert ((lp - batch.logprobs) * batch.action_mask).abs().max() < 1e-5
+    natural, used = actor.router.last(tuple(batch.select([2]).input_ids.shape))
+    routes = batch.select([2]).routes[0]
+    known = (routes >= 0).all(-1).all(-1)  # the last sampled token was never fed to the engine: its routes are -1
+    assert known.sum() > 40 and torch.equal(used[0][known], routes[known]), 'the trainer replayed the routes'
