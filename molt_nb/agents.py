@@ -124,10 +124,9 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
             f"{env}.reset returned {shown(opening)}, expected a prompt string or the opening chat messages (a list of "
             "dicts with 'role' and 'content')"
         )
-    if not self.template:
+    if not self.template:  # the task's own prompt: its special-token strings are markup, as in `encode_parts`' demos
         text, images = flat_content(opening)
         messages = [dict(role='user', content=opening)]
-        text = literal(self.tokenizer, text)
     else:
         messages = [dict(role='user', content=opening)] if isinstance(opening, str) else list(opening)
         if not messages:
