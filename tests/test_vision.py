@@ -144,6 +144,16 @@ def test_engine_logprobs_equal_a_full_forward_across_a_weight_load():
             mine = g.versions == version
             assert (ref[mine] - g.logprobs[mine]).abs().max() < 1e-5
         assert not set(g.token_ids.tolist()) & set(vision_ids(model)), 'a vision token was sampled'
+    # the trainer on the collated rows (2, 1 and 0 images, pixels in row order) scores the tokens the new weights
+    # sampled as the engine did
+    segs = [
+        Segment.prompt(ids, images=im).extend(g.token_ids, g.logprobs, g.versions) for (ids, im), g in zip(rows, gens)
+    ]
+    batch = collate([Trajectory(f'r{i}', 'g', 0, [s]) for i, s in enumerate(segs)])
+    assert [0 if im is None else len(im) for im in batch.images] == [2, 1, 0]
+    lp = PolicyActor(copy.deepcopy(changed), micro_batch_rows=3).logprobs(batch)
+    new_tokens = batch.action_mask & (batch.versions == 1)
+    assert new_tokens.sum() > 60 and (lp - batch.logprobs)[new_tokens].abs().max() < 1e-5
 
 
 def test_bad_images_are_refused_with_the_reason():
