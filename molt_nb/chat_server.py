@@ -119,7 +119,8 @@ class _Image:
         return hash(self.sha)
 
 
-_IMAGE_TYPES = ('image/png', 'image/jpeg', 'image/gif', 'image/webp')
+_FORMATS = {'image/png': 'PNG', 'image/jpeg': 'JPEG', 'image/gif': 'GIF', 'image/webp': 'WEBP'}
+_IMAGE_TYPES = tuple(_FORMATS)
 _DATA_URI = re.compile(r'data:([\w/+.-]+);base64,(.*)', re.S)
 
 
@@ -127,7 +128,7 @@ class _Media:
     "The images of one multimodal request: decoded from the request itself (never fetched), counted and bounded"
 
     def __init__(self, limits):
-        self.limits, self.count = limits, 0
+        self.limits, self.count, self.pixels = limits, 0, 0
 
     def openai(self, part: dict, where: str) -> _Image:
         "An OpenAI `image_url` part: a data URI"
@@ -180,8 +181,21 @@ class _Media:
         from PIL import Image
 
         try:
-            with Image.open(io.BytesIO(raw)) as im:
+            # only the format the request names: no other decoder (EPS, ...) ever sees client bytes
+            with Image.open(io.BytesIO(raw), formats=[_FORMATS[media_type]]) as im:
                 w, h = im.size  # from the header: nothing decoded yet
+                self.pixels += w * h
+                if self.pixels > lim.max_request_pixels:
+                    raise ChatError(
+                        413,
+                        'request_too_large',
+                        f"{where}: the request's images hold more than {lim.max_request_pixels} pixels in all "
+                        "(ChatLimits.max_request_pixels): send fewer or smaller images",
+                        where,
+                        'image_too_large',
+                    )
+                if max(w, h) > 100 * min(w, h):
+                    raise _bad(f"{where} is {w}x{h} pixels: an image's sides may differ at most 100-fold", where)
                 if w * h > lim.max_image_pixels:
                     raise ChatError(
                         413,
@@ -558,11 +572,19 @@ def _image_context(s: Session, tokenizer, messages: list, tools) -> tuple:
         (old, _), (new, images) = _flat_messages(s.messages), _flat_messages(messages[n + 1 :])
         glue = turn_glue(tokenizer, old, r.text, r.sampled, new, tools, assistant=r.assistant)
         if glue is not None:
-            ids, processed = encode_images(tokenizer, glue, images, s.processor)
+            ids, processed = _encoded(tokenizer, glue, images, s.processor)
             return s.sealed, s.segment.extend(ids, images=processed)
     flat, images = _flat_messages(messages)
-    ids, processed = encode_images(tokenizer, render(tokenizer, flat, True, tools), images, s.processor)
+    ids, processed = _encoded(tokenizer, render(tokenizer, flat, True, tools), images, s.processor)
     return s.segments, Segment.prompt(ids, images=processed)
+
+
+def _encoded(tokenizer, text: str, images: list, processor) -> tuple:
+    "`encode_images`, a client's mistake (an image the processor refuses, a forged mark in a tool) as a 400"
+    try:
+        return encode_images(tokenizer, text, images, processor)
+    except (ValueError, TypeError) as e:
+        raise _bad(f"the request's images could not be used: {e}", 'messages') from None
 
 
 def _is_retry(s: Session, key: str, headers) -> bool:
@@ -970,6 +992,7 @@ class ChatLimits:
     max_images: int = 16  # images in one request (a multimodal server's; a text server refuses any)
     max_image_bytes: int = 1 << 20  # one image's encoded bytes: beyond, a 413
     max_image_pixels: int = 1 << 22  # one image's width x height, read from its header before decoding: beyond, a 413
+    max_request_pixels: int = 1 << 23  # all of a request's images together (decoded, each is 3 bytes a pixel): a 413
 
 
 class ChatServer:
@@ -1155,7 +1178,9 @@ async def _chat(server: ChatServer, request: Request, session_id: str, wire: str
     decode = lambda: _fits(
         server, s, *(_anthropic_call if wire == 'anthropic' else _openai_call)(req, server.tokenizer, media)
     )
-    messages, tools, max_tokens, stops = await _off_loop(decode) if size > _INLINE_BYTES else decode()
+    # images are decoded off the loop whatever their size: a small PNG can decode to megabytes
+    off = size > _INLINE_BYTES or media is not None
+    messages, tools, max_tokens, stops = await _off_loop(decode) if off else decode()
     async with s.lock:
         r = await chat_turn(
             s,

@@ -319,6 +319,11 @@ def _positions(self: TorchEngine, prompt: torch.Tensor, images: Images | None) -
                 f"generate: the images are tagged with placeholder {images.token_id} but the model's is "
                 f"{c.image_token_id}: process them with the policy's own tokenizer"
             )
+        if images.merge != c.vision_config.spatial_merge_size:
+            raise ValueError(
+                f"generate: the images were processed with merge {images.merge} but the model merges "
+                f"{c.vision_config.spatial_merge_size}: use the policy's own image processor"
+            )
         check_images(images, prompt, 'generate')
     elif bool((prompt == c.image_token_id).any()):
         raise ValueError(

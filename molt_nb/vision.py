@@ -221,7 +221,8 @@ def process_images(
     "The processor's outputs for `images` as `Images` (None when there are none)"
     if not images:
         return None
-    out = processor(images=list(images), return_tensors='pt')
+    # channels last, always: an (h, w, 3) array with h = 3 or 1 would otherwise be read as channels first
+    out = processor(images=list(images), return_tensors='pt', input_data_format='channels_last')
     return Images(
         out['pixel_values'].float(),
         out['image_grid_thw'],
@@ -255,13 +256,20 @@ IMAGE_MARK = '\U0010fffe'  # private use: where an image goes in rendered text, 
 
 
 def is_image_part(part) -> bool:
-    return not isinstance(part, (str, dict)) or isinstance(part, dict) and part.get('type') == 'image'
+    "An image in message content: a PIL image, an (h, w, 3) array, or {'type': 'image', 'image': ...}"
+    if isinstance(part, dict):
+        return part.get('type') == 'image'
+    return isinstance(part, np.ndarray) or hasattr(part, 'getbands') or hasattr(part, 'pixels')  # PIL; a decoded one
 
 
 def flat_content(content) -> tuple:
-    """Content (a string, or parts: text and images) as text with `IMAGE_MARK` where each image goes, and the images; a
-    ValueError when text holds `IMAGE_MARK` itself"""
+    """Content (a string, or parts: text and images; None is empty) as text with `IMAGE_MARK` where each image goes,
+    and the images; the mark is removed from text, so that no text can forge an image"""
+    if content is None:  # an assistant message that only calls tools
+        return '', []
     if isinstance(content, str):
+        if IMAGE_MARK not in content:
+            return content, []  # the text-only hot path
         parts = [content]
     elif isinstance(content, (list, tuple)):
         parts = list(content)
@@ -273,17 +281,15 @@ def flat_content(content) -> tuple:
             images.append(p['image'] if isinstance(p, dict) else p)
             text.append(IMAGE_MARK)
         elif isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str):
-            text.append(p['text'])
+            text.append(p['text'].replace(IMAGE_MARK, ''))  # only a real image makes a mark
         elif isinstance(p, str):
-            text.append(p)
+            text.append(p.replace(IMAGE_MARK, ''))
         else:
             raise TypeError(
                 f"a message part is a {type(p).__name__} ({reprlib.repr(p)}): give text (a string or {{'type': "
                 "'text', 'text': ...}) or an image (a PIL image, an (h, w, 3) uint8 array, or {'type': 'image', "
                 "'image': ...})"
             )
-    if any(IMAGE_MARK in t for t, p in zip(text, parts) if not is_image_part(p)):
-        raise ValueError("a message's text holds U+10FFFE, which marks images here: remove it")
     return ''.join(text), images
 
 

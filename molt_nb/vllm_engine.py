@@ -283,6 +283,11 @@ class VLLMEngine:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(args['model'])
+        if hasattr(config, 'vision_config'):
+            raise NotImplementedError(
+                f"{args['model']!r} is a vision-language model and VLLMEngine does not pass images (or ban the vision "
+                "tokens the trainer bans) yet (issue 22): use rollout.engine='torch'"
+            )
         layout = route_layout(config) if args.get('enable_return_routed_experts') else None
         if args.get('enable_return_routed_experts') and layout is None:
             raise ValueError(

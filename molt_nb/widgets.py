@@ -215,7 +215,7 @@ def token_html(
     pictures = [  # the context's images: one chip each (not their placeholder tokens), the image on hover
         f'<span class="tok image" title="image {k + 1} of the context (hover to see it)">&#x1F5BC; {k + 1}'
         f'<img class="thumb" src="{html.escape(uri)}" alt="image {k + 1}"></span>'
-        for k, uri in enumerate(images if images is not None else [])
+        for k, uri in enumerate(images if isinstance(images, (list, tuple, np.ndarray)) else [])  # NaN: no images
     ]
     head = (
         f'<div class="molt-head">{html.escape(str(row["rollout_id"]))} | reward {row["reward"]:.3f} | gate: '

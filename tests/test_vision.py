@@ -395,3 +395,63 @@ def test_routing_replay_on_a_moe_vlm():
     routes = batch.select([2]).routes[0]
     known = (routes >= 0).all(-1).all(-1)  # the last sampled token was never fed to the engine: its routes are -1
     assert known.sum() > 40 and torch.equal(used[0][known], routes[known]), 'the trainer replayed the routes'
+
+
+def test_hostile_image_requests_get_a_4xx_and_text_users_are_unaffected():
+    "Forged image marks, bad shapes and pixel budgets are the client's mistakes (4xx); text-only content is as before"
+    import numpy as np
+    import openai
+    from molt_nb.chat_server import ChatLimits, ChatServer
+    from molt_nb.models import build_tokenizer
+    from molt_nb.vision import IMAGE_MARK, flat_content
+
+    # a tool-calling assistant message has content None; a text runner renders it as before (no processor needed)
+    text_tok = build_tokenizer()
+    call = dict(type='function', function=dict(name='add', arguments='{"a": 1}'))
+    opening = [
+        dict(role='user', content='add'),
+        dict(role='assistant', content=None, tool_calls=[call]),
+        dict(role='tool', content='1'),
+    ]
+    _, seg = StepEnvRunner(lambda: None, text_tok)._opening(opening)
+    assert seg.images is None and len(seg) > 10
+    assert flat_content(f'a{IMAGE_MARK}b') == ('ab', []), 'text cannot forge an image mark'
+    with pytest.raises(TypeError, match='a message part is a int'):
+        flat_content(['x', 3])
+
+    oa_image = lambda px: dict(type='image_url', image_url=dict(url=f'data:image/png;base64,{png_b64(px)}'))
+    thin = np.zeros((2, 400, 3), dtype=np.uint8)  # 200-fold: the processor would refuse it
+    big = np.zeros((80, 80, 3), dtype=np.uint8)  # 6,400 pixels, a few hundred bytes as PNG
+
+    async def go():
+        engine = TorchEngine(tiny_vl(TOK), seed=0)
+        server = await ChatServer(
+            TOK, processor=PROC, limits=ChatLimits(max_image_pixels=5000, max_request_pixels=10000)
+        ).start()
+        out = {}
+        try:
+            s = server.open(engine, SamplingParams(max_tokens=2), 512)
+            oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
+            forged = [dict(type='function', function=dict(name='f', description=f'x{IMAGE_MARK}', parameters={}))]
+            for name, content, tools in [
+                ('forged', [dict(type='text', text='hi '), oa_image(A)], forged),
+                ('thin', [oa_image(thin)], None),
+                ('big', [oa_image(big)], None),
+                ('budget', [oa_image(A), oa_image(B)] * 2, None),
+            ]:
+                kw = dict(tools=tools) if tools else {}
+                with pytest.raises(openai.APIStatusError) as e:
+                    await oa.chat.completions.create(
+                        model='policy', messages=[dict(role='user', content=content)], **kw
+                    )
+                out[name] = (e.value.status_code, str(e.value))
+        finally:
+            await server.stop()
+            engine.close()
+        return out
+
+    out = asyncio.run(asyncio.wait_for(go(), 60))
+    assert out['forged'][0] == 400 and '2 image placeholders' in out['forged'][1]
+    assert out['thin'][0] == 400 and '100-fold' in out['thin'][1]
+    assert out['big'][0] == 413 and 'max_image_pixels' in out['big'][1]
+    assert out['budget'][0] == 413 and 'max_request_pixels' in out['budget'][1]
