@@ -58,19 +58,24 @@ class Look(Env):
         return Result(1.0)
 
 
+def look_rollouts(model, n: int, chat: bool = False) -> list:
+    "n two-turn `Look` rollouts of a copy of `model` on its own TorchEngine"
+    engine = TorchEngine(copy.deepcopy(model), seed=0)
+    runner = StepEnvRunner(lambda: Look(chat), TOK, max_turns=2, max_context=256, template=chat, processor=PROC)
+
+    async def rollouts():
+        return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(n)))
+
+    try:
+        return asyncio.run(asyncio.wait_for(rollouts(), 120))
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize('chat', [True, False])
 def test_two_images_in_two_turns_engine_and_trainer_agree(chat):
     model = tiny_vl(TOK, seed=3)
-    engine = TorchEngine(copy.deepcopy(model), seed=0)
-    runner = StepEnvRunner(lambda: Look(chat), TOK, max_turns=2, max_context=256, template=chat, processor=PROC)
-    try:
-
-        async def rollouts():
-            return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(3)))
-
-        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
-    finally:
-        engine.close()
+    trs = look_rollouts(model, 3, chat)
     start, end = (TOK.convert_tokens_to_ids(VISION_TOKENS[i]) for i in (0, 1))
     image = lambda n: [start] + [PAD] * n + [end]
     for tr in trs:
@@ -287,16 +292,7 @@ def test_train_step_and_token_view_show_one_chip_per_image():
     from molt_nb.widgets import STYLE, token_html
 
     model = tiny_vl(TOK, seed=6)
-    engine = TorchEngine(copy.deepcopy(model), seed=0)
-    runner = StepEnvRunner(lambda: Look(False), TOK, max_turns=2, max_context=256, template=False, processor=PROC)
-
-    async def rollouts():
-        return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(4)))
-
-    try:
-        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
-    finally:
-        engine.close()
+    trs = look_rollouts(model, 4)
     for i, tr in enumerate(trs):
         tr.reward = float(i % 2)  # a group with a spread: GRPO has advantages to step on
     batch = collate(trs)
@@ -374,16 +370,7 @@ def test_routing_replay_on_a_moe_vlm():
 
     model = tiny_vl(TOK, seed=7, experts=4)
     assert sorted(moe_gates(model)) == [0, 1]
-    engine = TorchEngine(copy.deepcopy(model), seed=0)
-    runner = StepEnvRunner(lambda: Look(False), TOK, max_turns=2, max_context=256, template=False, processor=PROC)
-
-    async def rollouts():
-        return await asyncio.gather(*(runner.run(engine, {}, SP, f'r{i}', 'g') for i in range(3)))
-
-    try:
-        trs = asyncio.run(asyncio.wait_for(rollouts(), 120))
-    finally:
-        engine.close()
+    trs = look_rollouts(model, 3)
     seg = trs[0].segments[-1]
     assert seg.routes is not None and seg.routes.shape[1:] == (2, 2)
     assert (seg.routes[seg.token_ids == PAD] >= 0).all(), 'the image tokens were routed and reported'
