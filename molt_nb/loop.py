@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from fastcore.basics import patch
-from .core import Batch, SamplingParams, collate
+from .core import Batch, SamplingParams, collate, first_diff, value_at
 from .actor import BackwardError, FSDP2Backend, PolicyActor, TorchBackend, join_group, latest_checkpoint
 from .weight_sync import Manifest, WeightSender, free_port, join_transport_group, manifest_of
 from .router import TRANSPORT_TIMEOUT_S, EngineActor, Router
@@ -280,17 +280,6 @@ class TrainerGroup:
             ray.kill(a)
 
 # %% ../nbs/21_loop.ipynb #61b24408
-def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    "The first index of dim 0 where `a` and `b` differ (where the shorter one ends, if it is a prefix); None if equal"
-    n = min(len(a), len(b))
-    d = (a[:n] != b[:n].to(a.dtype)).reshape(n, -1).any(1).nonzero()
-    return int(d[0]) if len(d) else None if len(a) == len(b) else n
-
-
-def _value(t: torch.Tensor, i: int) -> str:
-    return 'nothing' if i >= len(t) else str(t[i].tolist())
-
-
 def check_token_identity(
     trajectories: list,  # the rollouts of a batch, in collate order (failed ones are skipped, as collate skips them)
     generations: dict,  # rollout id -> the engine's Generations for it, in order
@@ -327,8 +316,8 @@ def _sampled_mismatch(tr, row: int, k: int, what: str, trained: torch.Tensor, sa
     else:
         at = f"after its last trained token (batch row {where[-1][0] if where else row})"
     return AssertionError(
-        f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {what} is {_value(trained, k)}, the engine sampled "
-        f"{_value(sampled, k)} ({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped "
+        f"rollout {tr.rollout_id!r}, trained token {k} ({at}): {what} is {value_at(trained, k)}, the engine sampled "
+        f"{value_at(sampled, k)} ({len(trained)} tokens trained, {len(sampled)} sampled): the agent changed, dropped "
         "or added tokens it was given"
     )
 
@@ -338,7 +327,7 @@ def _check_sampled(tr, gens: list, row: int):
     for k, what in (('token_ids', 'token id'), ('logprobs', 'logprob'), ('versions', 'version')):
         sampled = torch.cat([getattr(g, k) for g in gens]) if gens else torch.zeros(0)
         trained = tr.actions(k)
-        if (i := _first_diff(trained, sampled)) is not None:
+        if (i := first_diff(trained, sampled)) is not None:
             raise _sampled_mismatch(tr, row, i, what, trained, sampled)
     if not gens or gens[0].routes is None:
         return
@@ -346,7 +335,7 @@ def _check_sampled(tr, gens: list, row: int):
         raise AssertionError(f"rollout {tr.rollout_id!r}: the engine returned MoE routes and a segment has none")
     sampled = torch.cat([g.routes[g.prompt_len :] for g in gens])
     trained = tr.actions('routes')
-    if (i := _first_diff(trained, sampled)) is not None:
+    if (i := first_diff(trained, sampled)) is not None:
         raise _sampled_mismatch(tr, row, i, 'route (experts per layer)', trained, sampled)
 
 
@@ -375,10 +364,11 @@ def _check_row(tr, j: int, batch, row: int):
     if s.routes is not None:
         fields.append(('route', 0, batch.routes[row, : len(s)], s.routes))
     for what, shift, got, want in fields:
-        if (p := _first_diff(got, want)) is not None:
+        if (p := first_diff(got, want)) is not None:
             raise AssertionError(
                 f"rollout {tr.rollout_id!r} segment {j}: batch row {row}, position {p + shift}: {what} is "
-                f"{_value(got, p)}, the segment's is {_value(want, p)} (the row was shifted or changed after collate)"
+                f"{value_at(got, p)}, the segment's is {value_at(want, p)} (the row was shifted or changed after "
+                "collate)"
             )
 
 # %% ../nbs/21_loop.ipynb #91c2bd56

@@ -53,7 +53,9 @@ def _task_list(tasks, split: str, where: str, options: dict) -> list:
 def recipe_parts(cfg: RunConfig, tokenizer) -> RecipeParts:
     "The runner, tasks and sampling of `cfg`'s recipe (the module is imported once)"
     module, where = load_module(cfg.agent_path), repr(str(cfg.agent_path))
-    runner = load_agent(module, tokenizer, **cfg.agent_options)
+    # a vision-language policy's runner gets the policy's image processor: the one its weights were trained with
+    seen = {} if (processor := policy_processor(cfg)) is None else dict(processor=processor)
+    runner = load_agent(module, tokenizer, **cfg.agent_options, **seen)
     tasks = getattr(module, 'tasks', None)
     if not callable(tasks):
         raise RecipeError(

@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .core import SamplingParams
 from .engine import Generation, TorchEngine
 from .agents import RolloutAborted
-from .config import RunConfig, build_policy, policy_is_moe
+from .config import RunConfig, build_policy, policy_is_moe, policy_processor
 from .weight_sync import SyncReport, WeightReceiver, join_transport_group, take_staged
 
 # %% ../nbs/16_router.ipynb #325b19a1
@@ -52,6 +52,8 @@ def vllm_engine_of(cfg: RunConfig, nonce: int):
 
         path = tempfile.mkdtemp(prefix='molt-policy-')
         save_policy(*build_policy(cfg), path)
+        if (processor := policy_processor(cfg)) is not None:  # vLLM processes a VLM's images with the checkpoint's
+            processor.save_pretrained(path)
     args = engine_args(
         path,
         dtype=r.dtype,

@@ -6,8 +6,8 @@ expanded ids and Qwen-VL's 3D rotary positions, checked by decoding with a cache
 # %% auto #0
 __all__ = ['VISION_TOKENS', 'IMAGE_MARK', 'vision_tokenizer', 'image_processor', 'image_tokens', 'expand_ids', 'draw_shapes',
            'mrope_positions', 'tiny_vl', 'process_images', 'expand_placeholders', 'is_image_part', 'flat_content',
-           'encode_images', 'encode_parts', 'is_vision', 'text_config', 'vision_ids', 'vision_inputs', 'image_pixels',
-           'thumbnail']
+           'encode_images', 'encode_parts', 'is_vision', 'text_config', 'vision_ids', 'check_vision_prompt',
+           'vision_inputs', 'image_pixels', 'thumbnail', 'image_arrays', 'check_arrays', 'collapse_images']
 
 # %% ../nbs/01a_vision.ipynb #a645e637
 import numpy as np
@@ -21,7 +21,7 @@ from transformers import (
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
 )
-from .core import Images
+from .core import Images, check_images, image_spans
 import reprlib
 from .chat import encode
 from .models import CHAT_TEMPLATE, byte_bpe
@@ -340,6 +340,32 @@ def vision_ids(model) -> list:
     return [getattr(c, n) for n in names if getattr(c, n, None) is not None] if is_vision(c) else []
 
 
+def check_vision_prompt(
+    config,  # a VLM's config (its placeholder id and merge size)
+    prompt: Tensor,  # (n,) canonical ids: each image's placeholders expanded
+    images: Images | None,
+    where: str = 'generate',
+):
+    "Raise a ValueError unless `prompt` and `images` are what `config`'s model reads: its placeholder and merge size"
+    if images is not None:
+        if images.token_id != config.image_token_id:
+            raise ValueError(
+                f"{where}: the images are tagged with placeholder {images.token_id} but the model's is "
+                f"{config.image_token_id}: process them with the policy's own tokenizer"
+            )
+        if images.merge != config.vision_config.spatial_merge_size:
+            raise ValueError(
+                f"{where}: the images were processed with merge {images.merge} but the model merges "
+                f"{config.vision_config.spatial_merge_size}: use the policy's own image processor"
+            )
+        check_images(images, prompt, where)
+    elif bool((prompt == config.image_token_id).any()):
+        raise ValueError(
+            f"{where}: the prompt holds image placeholders ({config.image_token_id}) but no images were given: pass "
+            "images=..., or keep the placeholder out of text (split_special_tokens)"
+        )
+
+
 def vision_inputs(
     input_ids: Tensor,  # (B, T) right-padded rows
     lengths,  # (B,) real tokens of each row
@@ -390,3 +416,52 @@ def thumbnail(images: Images, i: int, most: int = 64) -> str:
     buf = io.BytesIO()
     img.save(buf, 'PNG')
     return 'data:image/png;base64,' + base64.b64encode(buf.getvalue()).decode()
+
+# %% ../nbs/01a_vision.ipynb #16c06809
+def image_arrays(
+    images: Images,
+    processor,  # the processor that made `images` (its rescale factor, mean and std)
+) -> list:
+    """Each image as the (h, w, 3) uint8 array the processor resized it to: processed again, it gives `images`'
+    pixel values back (`check_arrays`), which is how an engine that runs its own processor (vLLM) gets them"""
+    mean, std = (
+        torch.tensor(getattr(processor, k), dtype=torch.float64)[:, None, None] for k in ('image_mean', 'image_std')
+    )
+    out = []
+    for i in range(len(images)):
+        x = image_pixels(images, i).double()
+        if getattr(processor, 'do_normalize', True):
+            x = x * std + mean
+        if getattr(processor, 'do_rescale', True):
+            x = x / processor.rescale_factor
+        out.append(x.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy())
+    return out
+
+
+def check_arrays(arrays: list, images: Images, processor, tol: float = 1e-5):
+    "Raise unless `arrays` (`image_arrays`) processed again give `images`' pixel values within `tol`"
+    again = processor(images=arrays, return_tensors='pt', input_data_format='channels_last')
+    if not torch.equal(again['image_grid_thw'], images.grid_thw):
+        raise ValueError(
+            f"the images processed again have grids {again['image_grid_thw'].tolist()}, not "
+            f"{images.grid_thw.tolist()}: they were processed by another processor than the policy's"
+        )
+    gap = float((again['pixel_values'].float() - images.pixel_values.float()).abs().max())
+    if gap > tol:
+        raise ValueError(
+            f"the images processed again differ from their pixel values by up to {gap:.2e} (above {tol}): they were "
+            "processed by another processor than the policy's, or not from uint8 images"
+        )
+
+
+def collapse_images(
+    ids: Tensor,  # canonical ids: each image's placeholders expanded
+    images: Images,
+) -> Tensor:
+    "`ids` with each image's run of placeholders cut to one: the prompt an engine that expands them itself takes"
+    check_images(images, ids, 'collapse_images')
+    starts, lengths = image_spans(ids, images.token_id)
+    keep = torch.ones(len(ids), dtype=torch.bool)
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        keep[s + 1 : s + n] = False
+    return ids[keep]

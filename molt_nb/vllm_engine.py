@@ -4,15 +4,17 @@
 
 # %% auto #0
 __all__ = ['VLLM_FIX', 'OWNED', 'PINNED_ARGS', 'FINISH', 'import_vllm', 'sampling_kwargs', 'vllm_routes', 'plain_buckets',
-           'manifest_from', 'WeightLoader', 'engine_args', 'engine_seed', 'VLLMEngine', 'route_layout']
+           'manifest_from', 'WeightLoader', 'engine_args', 'engine_seed', 'VLLMEngine', 'vision_of', 'route_layout',
+           'check_expanded']
 
 # %% ../nbs/15b_vllm.ipynb #a538a0d6
 import asyncio, itertools, time, zlib
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .core import SamplingParams
+from .core import SamplingParams, first_diff, value_at
 from .engine import Generation, check_prompt
+from .vision import check_arrays, check_vision_prompt, collapse_images, image_arrays, text_config, vision_ids
 from molt_nb.weight_sync import (
     BucketSpec,
     Manifest,
@@ -46,6 +48,7 @@ def sampling_kwargs(
     sp: SamplingParams,  # how the project samples one turn
     seed: int | None = None,  # a per-request seed (None: the engine's own generator)
     output_kind=None,  # vllm's RequestOutputKind.FINAL_ONLY (filled in by `VLLMEngine`)
+    banned: tuple = (),  # token ids never sampled (a VLM's vision tokens): vLLM's strongest logit bias, -100
 ) -> dict:
     "Keyword arguments of `vllm.SamplingParams` for `sp`, every field set"
     return dict(
@@ -78,7 +81,9 @@ def sampling_kwargs(
         stream_interval=None,
         skip_clone=False,
         structured_outputs=None,
-        logit_bias=None,
+        # -100 is the most vLLM allows: such a token keeps under e^-90 of the mass (the trainer's -inf is 0), which
+        # moves no sampled token's logprob by a representable amount
+        logit_bias={int(t): -100.0 for t in banned} or None,
         allowed_token_ids=None,
         extra_args=None,
         bad_words=None,
@@ -170,11 +175,15 @@ class WeightLoader:
             initialize_layerwise_reload(model)
             loaded = set(model.load_weights(weights=iter(items)) or ())
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-            head, config = getattr(model, 'lm_head', None), getattr(model, 'config', None)
-            if getattr(config, 'tie_word_embeddings', False) and hasattr(head, 'quant_method'):
+            config = getattr(model, 'config', None)
+            if getattr(config, 'tie_word_embeddings', False) or getattr(
+                text_config(config), 'tie_word_embeddings', False
+            ):
                 # a tied head shares the embedding's weight, but the reload reprocesses only the embedding: its kernel
-                # (repacked on CPU) would keep the old weights
-                head.quant_method.process_weights_after_loading(head)
+                # (repacked on CPU) would keep the old weights. A VLM's head is its language model's
+                for name, head in model.named_modules():
+                    if name.rsplit('.', 1)[-1] == 'lm_head' and hasattr(head, 'quant_method'):
+                        head.quant_method.process_weights_after_loading(head)
         return sorted(names - loaded)
 
 # %% ../nbs/15b_vllm.ipynb #767f8f7f
@@ -257,9 +266,11 @@ class VLLMEngine:
         route_layout: tuple | None = None,  # (num_layers, moe_layers, top_k) of a MoE policy whose routes are kept
         seeded: bool = False,  # a seed per request (reproducible, slower in vLLM) instead of the engine's generator
         seed: int = 0,  # the engine's sampling seed (`engine_seed`), and the root of the per-request ones
+        vision: tuple | None = None,  # a VLM's (config, image processor), from its checkpoint (`vision_of`)
     ):
         self.llm, self.vocab_size, self.max_model_len, self.version = llm, vocab_size, max_model_len, version
         self.nonce, self.route_layout, self.seeded, self.seed = nonce, route_layout, seeded, seed
+        self.vision, self.banned = vision, tuple(vision_ids(vision[0])) if vision else ()
         self.stats = dict(requests=0, tokens=0, busy_s=0.0)
         self.paused, self.closed, self.staged = None, False, {}  # paused: None or the vLLM mode; staged: by version
         self._ids, self._inflight, self._since, self._running = itertools.count(), 0, 0.0, set()
@@ -283,12 +294,11 @@ class VLLMEngine:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(args['model'])
-        if hasattr(config, 'vision_config'):
-            raise NotImplementedError(
-                f"{args['model']!r} is a vision-language model and VLLMEngine does not pass images (or ban the vision "
-                "tokens the trainer bans) yet (issue 22): use rollout.engine='torch'"
-            )
-        layout = route_layout(config) if args.get('enable_return_routed_experts') else None
+        vision = vision_of(args['model'], config)
+        if vision is not None:  # no video: vLLM would reserve memory for video inputs the rollouts never send
+            args = dict(limit_mm_per_prompt=dict(video=0)) | args
+        text = text_config(config)
+        layout = route_layout(text) if args.get('enable_return_routed_experts') else None
         if args.get('enable_return_routed_experts') and layout is None:
             raise ValueError(
                 f"routes were asked of {args['model']!r}, whose config names no experts (num_experts): routing replay "
@@ -299,17 +309,34 @@ class VLLMEngine:
         max_len = getattr(model_config, 'max_model_len', None) or args.get('max_model_len')
         return cls(
             llm,
-            config.vocab_size,
-            max_len or config.max_position_embeddings,
+            text.vocab_size,
+            max_len or text.max_position_embeddings,
             version,
             nonce,
             layout,
             seeded,
             args.get('seed', 0),
+            vision,
         )
 
     def __repr__(self):
         return f"VLLMEngine(version={self.version}, in_flight={self._inflight}, paused={self.paused})"
+
+
+def vision_of(model: str, config) -> tuple | None:
+    "(config, image processor) of a vision-language checkpoint, None for a text one"
+    if not hasattr(config, 'vision_config'):
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(model)
+    except OSError as e:
+        raise ValueError(
+            f"{model!r} is a vision-language model without an image processor ({e}): save the policy's processor "
+            "beside its weights (processor.save_pretrained), as the warm start does"
+        ) from None
+    return config, processor
 
 
 def route_layout(config) -> tuple | None:
@@ -342,18 +369,23 @@ def _leave(self: VLLMEngine):
 async def generate(
     self: VLLMEngine, token_ids, sampling: SamplingParams | None = None, session_id: str | None = None, images=None
 ) -> Generation:
-    "Sample a continuation of `token_ids`"
-    if images is not None:
-        raise NotImplementedError(
-            "VLLMEngine does not pass images to vLLM yet (issue 22): serve a vision-language policy with "
-            "rollout.engine='torch'"
-        )
+    "Sample a continuation of `token_ids` (a VLM's: with the `images` whose placeholders they hold, expanded)"
     sampling = sampling or SamplingParams()
     prompt = check_prompt(token_ids, self.vocab_size, self.max_model_len)
+    request = dict(prompt_token_ids=prompt.tolist())
+    if self.vision is None and images is not None:
+        raise ValueError(
+            "generate got images but the engine's model reads none (it has no vision tower): serve a vision-language "
+            "policy, or send text only"
+        )
+    if self.vision is not None:
+        check_vision_prompt(self.vision[0], prompt, images)
+    if images is not None:
+        request = await asyncio.to_thread(self._with_images, prompt, images)
     n = next(self._ids)
     vllm, rid = import_vllm(), f"molt-{self.nonce}-{n}"
     seed = zlib.crc32(f'{self.seed}/{self.nonce}/{n}'.encode()) & 0x7FFFFFFF if self.seeded else None
-    params = vllm.SamplingParams(**sampling_kwargs(sampling, seed, self._kind))
+    params = vllm.SamplingParams(**sampling_kwargs(sampling, seed, self._kind, self.banned))
     if not self._labelled:
         self._labelled = True
         await self.llm.update_weight_version(str(self.version))
@@ -364,7 +396,7 @@ async def generate(
     self._enter()
     self._running.add(rid)
     try:
-        async for out in self.llm.generate({'prompt_token_ids': prompt.tolist()}, params, request_id=rid):
+        async for out in self.llm.generate(request, params, request_id=rid):
             final = out
     except asyncio.CancelledError:
         await self.llm.abort(rid)
@@ -374,7 +406,36 @@ async def generate(
         self._leave()
     if version != self.version:  # loads refuse while requests run and close the gate: a bug, never a sample
         raise RuntimeError(f"request {rid} spans weight versions {version} and {self.version}")
+    if images is not None:
+        check_expanded(final.prompt_token_ids, prompt, rid)
     return self.to_generation(final, len(prompt), version)
+
+
+@patch
+def _with_images(self: VLLMEngine, prompt: torch.Tensor, images) -> dict:
+    """vLLM's request for a prompt with images: each image's placeholders cut to one (vLLM expands them with its own
+    processor) and the uint8 images the policy's processor resized, which it checks give the same pixel values"""
+    from PIL import Image
+
+    processor = self.vision[1]
+    arrays = image_arrays(images, processor)
+    check_arrays(arrays, images, processor)
+    return dict(
+        prompt_token_ids=collapse_images(prompt, images).tolist(),
+        multi_modal_data=dict(image=[Image.fromarray(a) for a in arrays]),
+    )
+
+
+def check_expanded(used, canonical: torch.Tensor, rid: str = 'a request'):
+    "Raise unless vLLM's prompt ids after its placeholder expansion (`used`) are the canonical ones, naming where not"
+    used = torch.as_tensor(list(used), dtype=torch.long)
+    if (i := first_diff(used, canonical)) is not None:
+        raise RuntimeError(
+            f"vLLM's prompt for {rid} after it expanded the images ({len(used)} tokens) is not the canonical one "
+            f"({len(canonical)} tokens): first difference at token {i}, vLLM's is {value_at(used, i)}, the canonical "
+            f"is {value_at(canonical, i)}. vLLM's processor (read from the checkpoint) expands the images otherwise "
+            "than the policy's: save the processor the runner uses beside the weights"
+        )
 
 
 @patch

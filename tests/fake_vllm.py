@@ -53,13 +53,16 @@ class Worker:
 
 
 class Model:
-    "vLLM's model surface: `config`, `named_parameters` and `load_weights(weights) -> names loaded`"
+    "vLLM's model surface: `config`, `named_parameters`, `named_modules` and `load_weights(weights) -> names loaded`"
 
     def __init__(self, worker):
         self.worker, self.config, self.reloads = worker, worker.engine.model.config, []
 
     def named_parameters(self):
         return self.worker.engine.model.named_parameters()
+
+    def named_modules(self):  # a module with a kernel to rebuild has a quant_method: none here
+        return self.worker.engine.model.named_modules()
 
     def load_weights(self, weights):
         items, e = list(weights), self.worker.engine

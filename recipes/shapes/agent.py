@@ -11,7 +11,7 @@ are never trained on.
 import random
 from molt_nb.agents import Env, StepEnvRunner
 from molt_nb.core import Result
-from molt_nb.vision import draw_shapes, image_processor
+from molt_nb.vision import draw_shapes
 
 COLOURS = dict(red=(220, 40, 40), green=(40, 170, 40), blue=(40, 70, 220))
 CELL, GRID, HELD_OUT, TRAIN = 16, 4, 300, 20000
@@ -72,7 +72,6 @@ class Shapes(Env):
         return Result(reward=float(turn.finish_reason == 'stop' and turn.text == turn.task['answer']))
 
 
-def AgentRunner(tokenizer, max_context: int = 48):
-    return StepEnvRunner(
-        Shapes, tokenizer, max_turns=1, max_context=max_context, template=False, processor=image_processor()
-    )
+def AgentRunner(tokenizer, processor, max_context: int = 48):
+    "`processor` is the policy's image processor (a run passes it: `policy_processor`)"
+    return StepEnvRunner(Shapes, tokenizer, max_turns=1, max_context=max_context, template=False, processor=processor)
