@@ -91,6 +91,10 @@ def shard_model(
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp.mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp.mesh, mp_policy=mp_policy)
+    # a parameter one rank's rows never reach (a VLM's vision tower on a rank without images, an expert no token of
+    # its rows picked) has no gradient there: each rank would reduce-scatter a different set and the collective
+    # would mismatch (gloo aborts, NCCL hangs). Unused parameters send zeros instead
+    model.set_reduce_scatter_unused_params(True)
     if dp.global_mean:
         for m in model.modules():
             if isinstance(m, FSDPModule):
