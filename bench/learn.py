@@ -26,8 +26,8 @@ RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of 
     ),
     shapes=(
         "A tiny Qwen3-VL (text 128 wide, 2 layers; vision tower 32 wide, 2 blocks; 64x64 images as 16 tokens). Warm "
-        "start: 120 labelled images, 600 supervised steps. RL: GRPO, 16 images x 8 samples per step, lr 1e-4, async "
-        "with max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 120 demos from the same "
+        "start: 600 labelled images, 600 supervised steps. RL: GRPO, 16 images x 8 samples per step, lr 1e-4, async "
+        "with max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 600 demos from the same "
         "warm start for as long as RL ran. Accuracy: greedy exact match on the 300 held-out images, mean of the last 3 "
         "evaluations. Bar: RL ends >= +0.03 above the control on every seed.",
         lambda r: r['rl'] - r['control'] >= 0.03,

@@ -13,3 +13,14 @@ def ray_local(tmp_path_factory):
     start_ray(temp_dir=str(tmp_path_factory.mktemp("ray")), num_cpus=2)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def no_checkpoint(monkeypatch):
+    "Validation must not resolve the model: any attempt to read the checkpoint fails the test"
+    from molt_nb import config as config_module
+
+    def refuse(path):
+        raise AssertionError(f"validation tried to read the checkpoint {path!r}")
+
+    monkeypatch.setattr(config_module, 'local_checkpoint', refuse)

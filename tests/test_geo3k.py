@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from molt_nb import cli
-from molt_nb import config as config_module
 from molt_nb.agents import load_module
 from molt_nb.config import ModelConfig, load_config
 from molt_nb.core import SamplingParams
@@ -27,16 +26,6 @@ RECIPE = ROOT / 'recipes' / 'geo3k'
 
 def agent():
     return load_module(RECIPE / 'agent.py')
-
-
-@pytest.fixture
-def no_checkpoint(monkeypatch):
-    "Validation must not resolve the model: any attempt to read the checkpoint fails the test"
-
-    def refuse(path):
-        raise AssertionError(f"validation tried to read the checkpoint {path!r}")
-
-    monkeypatch.setattr(config_module, 'local_checkpoint', refuse)
 
 
 def test_the_recipe_loads_validates_and_fills_the_reference_cluster(no_checkpoint, capsys, tmp_path):

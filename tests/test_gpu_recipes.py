@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 
 from molt_nb import cli
-from molt_nb import config as config_module
 from molt_nb.config import ModelConfig, is_hub_id, load_config
 from molt_nb.recipe import RecipeError, check_recipe, run_sync
 
@@ -28,16 +27,6 @@ def agent():
     from molt_nb.agents import load_module
 
     return load_module(RECIPES / 'gsm8k' / 'agent.py')
-
-
-@pytest.fixture
-def no_checkpoint(monkeypatch):
-    "Validation must not resolve the model: any attempt to read the checkpoint fails the test"
-
-    def refuse(path):
-        raise AssertionError(f"validation tried to read the checkpoint {path!r}")
-
-    monkeypatch.setattr(config_module, 'local_checkpoint', refuse)
 
 
 @pytest.mark.parametrize('name', GPU_RECIPES)

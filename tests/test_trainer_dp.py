@@ -140,18 +140,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope='module')
-def group(tmp_path_factory):
-    "Run the 2-rank group once (spawned processes, killed if they outlive the deadline); each rank's outputs"
-    root = tmp_path_factory.mktemp('dp')
+def spawn_group(rank_main, root: Path, seconds: float, what: str) -> list:
+    "`rank_main(rank, port, root)` on WORLD spawned ranks, killed if they outlive `seconds`; each rank's rank{r}.pt"
     ctx = mp.spawn(rank_main, args=(free_port(), str(root)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + seconds
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail('the 2-rank trainer group did not finish in 240 s (a collective hung?)')
-    out = [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            pytest.fail(f'{what} did not finish in {seconds} s (a collective hung?)')
+    return [torch.load(Path(root) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope='module')
+def group(tmp_path_factory):
+    "Run the 2-rank group once (spawned processes, killed if they outlive the deadline); each rank's outputs"
+    out = spawn_group(rank_main, tmp_path_factory.mktemp('dp'), 240, 'the 2-rank trainer group')
     print(f"2-rank group, dense + MoE: {out[0]['seconds']:.1f} s inside the ranks")
     return out
 

@@ -3,11 +3,8 @@ and the other's none: the vision tower gets gradients on one rank only. FSDP2 wo
 gradients on each rank (a mismatched collective); the backend sets `reduce_scatter_unused_params`, so the ranks send
 zeros for the tower. The group's gradients and step equal one process's on the same rows."""
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
@@ -16,9 +13,8 @@ from molt_nb.config import AlgoConfig, OptimConfig
 from molt_nb.core import Segment, Trajectory, collate
 from molt_nb.vision import draw_shapes, expand_ids, image_processor, process_images, tiny_vl, vision_tokenizer
 
-from test_trainer_dp import free_port
+from test_trainer_dp import WORLD, spawn_group
 
-WORLD = 2
 TOK, PROC = vision_tokenizer(), image_processor()
 
 
@@ -76,15 +72,7 @@ def rank_main(rank: int, port: int, root: str):
 
 @pytest.fixture(scope='module')
 def group(tmp_path_factory):
-    root = tmp_path_factory.mktemp('dpv')
-    ctx = mp.spawn(rank_main, args=(free_port(), str(root)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail('the 2-rank VLM trainer group did not finish in 180 s (a collective hung?)')
-    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_group(rank_main, tmp_path_factory.mktemp('dpv'), 180, 'the 2-rank VLM trainer group')
 
 
 def test_one_rank_with_images_and_one_without_train_as_one_process(group):

