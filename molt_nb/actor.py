@@ -93,7 +93,9 @@ def shard_model(
     fully_shard(model, mesh=dp.mesh, mp_policy=mp_policy)
     # a parameter one rank's rows never reach (a VLM's vision tower on a rank without images, an expert no token of
     # its rows picked) has no gradient there: each rank would reduce-scatter a different set and the collective
-    # would mismatch (gloo aborts, NCCL hangs). Unused parameters send zeros instead
+    # would mismatch (gloo aborts, NCCL hangs). Unused parameters send zeros instead. The one difference from one
+    # process: in a step where no rank's rows reach them, their gradient is zero rather than None, so AdamW still moves
+    # them on its momentum and weight decay (one process skips them)
     model.set_reduce_scatter_unused_params(True)
     if dp.global_mean:
         for m in model.modules():

@@ -17,7 +17,7 @@ from pathlib import Path
 from .estimators import get_estimator
 from .losses import LossConfig
 from .models import TinyConfig, build_model, build_tokenizer, load_policy
-from .vision import image_processor, tiny_vl, vision_tokenizer
+from .vision import checkpoint_processor, image_processor, tiny_vl, vision_tokenizer
 from .placement import ClusterShape, check_request
 from .routing import RoutingConfig
 
@@ -743,9 +743,9 @@ def policy_processor(cfg: RunConfig):
     if cfg.model.path is None:
         return image_processor() if cfg.model.vision else None
     path = local_checkpoint(cfg.model.path)
-    if not (path / 'preprocessor_config.json').is_file():
+    if 'vision_config' not in json.loads((path / 'config.json').read_text()):
         return None
-    return transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
+    return checkpoint_processor(path)
 
 # %% ../nbs/13_config.ipynb #f470c6e8
 def policy_tokenizer(cfg: RunConfig) -> tuple:

@@ -14,7 +14,15 @@ import torch
 from fastcore.basics import patch
 from .core import SamplingParams, first_diff, value_at
 from .engine import Generation, check_prompt
-from .vision import check_arrays, check_vision_prompt, collapse_images, image_arrays, text_config, vision_ids
+from molt_nb.vision import (
+    check_arrays,
+    check_vision_prompt,
+    checkpoint_processor,
+    collapse_images,
+    image_arrays,
+    text_config,
+    vision_ids,
+)
 from molt_nb.weight_sync import (
     BucketSpec,
     Manifest,
@@ -295,8 +303,8 @@ class VLLMEngine:
 
         config = AutoConfig.from_pretrained(args['model'])
         vision = vision_of(args['model'], config)
-        if vision is not None:  # no video: vLLM would reserve memory for video inputs the rollouts never send
-            args = dict(limit_mm_per_prompt=dict(video=0)) | args
+        if vision is not None:  # no video unless asked: vLLM would reserve memory for inputs the rollouts never send
+            args = args | dict(limit_mm_per_prompt=dict(video=0) | (args.get('limit_mm_per_prompt') or {}))
         text = text_config(config)
         layout = route_layout(text) if args.get('enable_return_routed_experts') else None
         if args.get('enable_return_routed_experts') and layout is None:
@@ -327,16 +335,7 @@ def vision_of(model: str, config) -> tuple | None:
     "(config, image processor) of a vision-language checkpoint, None for a text one"
     if not hasattr(config, 'vision_config'):
         return None
-    from transformers import AutoImageProcessor
-
-    try:
-        processor = AutoImageProcessor.from_pretrained(model)
-    except OSError as e:
-        raise ValueError(
-            f"{model!r} is a vision-language model without an image processor ({e}): save the policy's processor "
-            "beside its weights (processor.save_pretrained), as the warm start does"
-        ) from None
-    return config, processor
+    return config, checkpoint_processor(model)  # the class the policy's runner builds (vLLM uses its own)
 
 
 def route_layout(config) -> tuple | None:

@@ -69,6 +69,8 @@ def test_automodel_refuses_a_vision_language_checkpoint(tmp_path):
         ('45°', 45.0),
         ('-7', -7.0),
         ('2^{3}', 8.0),
+        ('(-2)^{3}', -8.0),
+        ('(' * 99 + '1' + ')' * 99, 1.0),  # deep, within the length cap
     ],
 )
 def test_latex_numbers_are_evaluated(latex, value):
@@ -79,6 +81,9 @@ def test_latex_numbers_are_evaluated(latex, value):
     'hostile',
     [
         "__import__('os').system('true')",
+        '(-8)^{1/3}',  # Python's power would be complex
+        '(-1)^{0.5}',
+        '(1).real',
         'open(1)',
         '9**9**9**9',
         '2^{999}',
@@ -106,6 +111,7 @@ def test_anything_but_arithmetic_is_no_number(hostile):
         ('<think>\\boxed{4}', '4', 0.0),  # thinking never closed
         ('<think>maybe \\boxed{3}</think>\\boxed{4}', '4', 1.0),
         ('\\boxed{A}', '4', 0.0),
+        ('\\boxed{(-4)^{0.5}}', '2', 0.0),  # no complex numbers: scored 0, never an error
     ],
 )
 def test_the_verifier_scores_the_boxed_answer(text, answer, reward):
@@ -259,6 +265,8 @@ def test_the_tool_budget_ends_the_episode_and_a_bad_call_is_answered():
     assert not out.terminated and out.observation.strip() == '4' and out.reward == 0.0
     last = asyncio.run(env.step(turn(call, a.MAX_TOOL_TURNS)))  # past the budget: scored, no box -> 0
     assert last.terminated and last.reward == 0.0
+    three = [line for line in asyncio.run(env.step(turn(call * 3, 0))).observation.splitlines() if line]
+    assert three == ['4', '4', f'(1 more tool calls were not run: at most {a.MAX_CALLS} a turn)'], three
     odd = '<tool_call>\n{"name": "shell", "arguments": {"cmd": "ls"}}\n</tool_call>'
     assert 'unknown tool call' in asyncio.run(env.step(turn(odd, 0))).observation
     cut = turn('\\boxed{4}', 0)

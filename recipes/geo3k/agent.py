@@ -3,8 +3,9 @@
 Each task is a diagram and a question (Geometry3K, Lu et al. 2021: 2,101 train and 601 test problems). The policy
 may call a `python` tool (run in molt_nb's sandbox, no network, a few seconds) up to `MAX_TOOL_TURNS` times, then
 answers with `\\boxed{...}`. Reward: 1 when the boxed answer equals the reference (LaTeX numbers such as
-`\\frac{40}{3}`, `2\\sqrt{221}` or `12.4` are evaluated exactly, then compared within 1e-4 relative), else 0; a turn
-cut off by max_tokens or an answer after the tool budget scores 0.
+`\\frac{40}{3}`, `2\\sqrt{221}` or `12.4` are evaluated, then compared within 1e-4 relative, absolute below 1), else
+0; a turn cut off by max_tokens or an answer after the tool budget scores 0. At most `MAX_CALLS` calls of a turn
+run.
 
 The data is never downloaded and never made up behind the user's back. `tasks(split, data=..., synthetic=...)` takes
 exactly one source, from the recipe's `task_options`:
@@ -25,7 +26,8 @@ from molt_nb.chat_server import parse_tool_calls
 from molt_nb.core import Result
 from molt_nb.tools import run_python
 
-MAX_TOOL_TURNS = 3  # tool calls answered per episode; the turn after the last must answer
+MAX_TOOL_TURNS = 3  # turns whose tool calls are answered; the turn after the last must answer
+MAX_CALLS = 2  # tool calls run per turn (each may take seconds of sandbox time); the rest are dropped, and said so
 PROMPT = (
     "{problem}\nYou may run Python with the `python` tool to compute. Put your final answer within \\boxed{{}}, "
     "as a number or an exact expression such as \\frac{{3}}{{2}} or 2\\sqrt{{3}}."
@@ -68,7 +70,7 @@ def latex_number(text: str) -> float | None:
         value = _arith(ast.parse(s, mode='eval').body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
         return None
-    return value if math.isfinite(value) else None
+    return value if isinstance(value, float) and math.isfinite(value) else None
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -88,7 +90,9 @@ def _arith(node) -> float:
         base, exp = _arith(node.left), _arith(node.right)
         if abs(exp) > 16:
             raise ValueError('exponent too large')
-        return base**exp
+        if base < 0 and exp != int(exp):
+            raise ValueError('a fractional power of a negative number')  # Python would give a complex number
+        return float(base**exp)
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
@@ -112,7 +116,8 @@ def final_answer(text: str) -> str | None:
 
 
 def score(text: str, answer: str) -> float:
-    "1.0 when the boxed answer of `text` equals the reference `answer` (as text, or as numbers within 1e-4), else 0.0"
+    """1.0 when the boxed answer of `text` equals the reference `answer` (as text, or as numbers within 1e-4 of
+    max(1, |answer|)), else 0.0"""
     got = final_answer(text)
     if got is None:
         return 0.0
@@ -223,7 +228,9 @@ class Geo3K(Env):
             return Result(reward=0.0, info=dict(tool_calls=turn.index))
         content, calls = parse_tool_calls(turn.text)
         if calls and turn.index < MAX_TOOL_TURNS:
-            outputs = [await run_python(_code(c)) for c in calls]
+            outputs = [await run_python(_code(c)) for c in calls[:MAX_CALLS]]
+            if len(calls) > MAX_CALLS:
+                outputs.append(f"({len(calls) - MAX_CALLS} more tool calls were not run: at most {MAX_CALLS} a turn)")
             return Result(reward=0.0, observation='\n'.join(outputs), terminated=False)
         return Result(reward=score(content, turn.task['answer']), info=dict(tool_calls=turn.index))
 
