@@ -1,7 +1,7 @@
 """The run in the cluster's shape on a private local Ray: engines as actors behind the router, a 2-rank FSDP2 trainer
 group, weights broadcast over gloo, and an engine killed in the middle of a run."""
 
-import tempfile
+import tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,13 @@ def test_engine_killed_mid_run(ray_local):
     run = launch(cfg, name='cluster-kill', check=False)
     try:
         run.wait(until_step=2, timeout=300)
-        ray.kill(ray.get_actor('cluster-kill/engine/0.0', namespace=NAMESPACE))
+        engine = ray.get_actor('cluster-kill/engine/0.0', namespace=NAMESPACE)
+        # kill it while it decodes (its step count moved between two looks), not while a sync has drained it: a kill
+        # between steps would catch no request
+        seen, deadline = ray.get(engine.stats.remote())['steps'], time.monotonic() + 60
+        while ray.get(engine.stats.remote())['steps'] == seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ray.kill(engine)
     except BaseException:
         run.kill()
         raise
