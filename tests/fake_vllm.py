@@ -87,6 +87,7 @@ class AsyncLLM:
         extension = getattr(__import__(module, fromlist=[name]), name)
         self.worker = type('ExtendedWorker', (Worker, extension), {})(self.engine)
         self.tasks, self.calls, self.label = {}, [], None  # label: the weight version vLLM stamps tokens with
+        self.args = args.kw  # what the engine was started with
 
     @classmethod
     def from_engine_args(cls, args):

@@ -14,6 +14,7 @@ import fake_vllm
 import molt_nb
 from molt_nb.core import SamplingParams
 from molt_nb.engine import TorchEngine
+from molt_nb.models import save_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,3 +224,36 @@ def test_the_loop_runs_on_vllm_engines(mode, stub, tmp_path):
     s = RunStore(cfg.run_dir).samples()
     ages = [step - 1 - v for step, vs in zip(s.step, s.versions) for v in vs]
     assert ages and min(ages) >= 0 and max(ages) <= (0 if mode == 'sync' else 1), sorted(set(ages))
+
+
+def test_a_vision_checkpoint_gets_no_video_unless_asked_and_needs_its_processor(stub, tmp_path):
+    "vLLM would reserve memory for videos the rollouts never send: video=0 is added to the recipe's own limits"
+    from molt_nb.vision import image_processor, tiny_vl, vision_tokenizer
+    from molt_nb.vllm_engine import engine_args
+
+    tok = vision_tokenizer()
+    save_policy(tiny_vl(tok, hidden=128, head_dim=64, heads=2, kv_heads=1, vision_hidden=64), tok, tmp_path)
+    with pytest.raises(ValueError, match=r"without an image processor \(preprocessor_config.json\): save the"):
+        fake_vllm.start(engine_args(str(tmp_path), dtype='float32'))
+    image_processor().save_pretrained(tmp_path)
+
+    def limits(**extra):
+        engine = fake_vllm.start(engine_args(str(tmp_path), dtype='float32') | extra)
+        try:
+            return engine.llm.args['limit_mm_per_prompt']
+        finally:
+            engine.close()
+
+    assert limits() == {'video': 0}
+    assert limits(limit_mm_per_prompt={'image': 3}) == {'video': 0, 'image': 3}
+    assert limits(limit_mm_per_prompt={'image': 1, 'video': 2}) == {'video': 2, 'image': 1}
+
+
+def test_a_text_checkpoint_gets_no_multimodal_limits(dense, stub):
+    from molt_nb.vllm_engine import engine_args
+
+    engine = fake_vllm.start(engine_args(str(dense.path), dtype='float32'))
+    try:
+        assert 'limit_mm_per_prompt' not in engine.llm.args
+    finally:
+        engine.close()

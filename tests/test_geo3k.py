@@ -46,11 +46,15 @@ def test_the_recipe_loads_validates_and_fills_the_reference_cluster(no_checkpoin
 
 
 def test_automodel_refuses_a_vision_language_checkpoint(tmp_path):
-    from molt_nb.automodel import refuse_vision
+    from molt_nb.automodel import build_automodel, refuse_vision
 
     (tmp_path / 'config.json').write_text('{"architectures": ["Qwen3VLForConditionalGeneration"], "vision_config": {}}')
     with pytest.raises(ValueError, match="use train.backend='fsdp2'"):
         refuse_vision(str(tmp_path))
+    with pytest.raises(ValueError, match="use train.backend='fsdp2'"):  # before it imports NeMo or builds anything
+        build_automodel(str(tmp_path), None, tp_size=1, ep_size=1, activation_checkpointing=False)
+    (tmp_path / 'config.json').write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    refuse_vision(str(tmp_path))  # a causal LM passes
 
 
 # ----------------------------------------------------------------------------------------------- the verifier
