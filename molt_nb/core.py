@@ -488,22 +488,7 @@ class Images:
 
     def cat(self, other: 'Images') -> 'Images':
         "The images of `self` then `other`"
-        if (self.token_id, self.merge, self.pixel_values.shape[1]) != (
-            other.token_id,
-            other.merge,
-            other.pixel_values.shape[1],
-        ):
-            raise ValueError(
-                f"Images.cat: placeholder id, merge or patch width differ ({self.token_id}, {self.merge}, "
-                f"{self.pixel_values.shape[1]}) vs ({other.token_id}, {other.merge}, {other.pixel_values.shape[1]}): "
-                "one policy's processor makes every image of a context"
-            )
-        return Images(
-            torch.cat([self.pixel_values, other.pixel_values]),
-            torch.cat([self.grid_thw, other.grid_thw]),
-            self.token_id,
-            self.merge,
-        )
+        return Images.cat_all([self, other])
 
     def take(self, n: int) -> 'Images | None':
         "The first `n` images (None when n is 0)"
@@ -519,10 +504,26 @@ class Images:
         have = [i for i in images if i is not None]
         if not have:
             return None
-        out = have[0]
+        first = have[0]
         for i in have[1:]:
-            out = out.cat(i)
-        return out
+            if (first.token_id, first.merge, first.pixel_values.shape[1]) != (
+                i.token_id,
+                i.merge,
+                i.pixel_values.shape[1],
+            ):
+                raise ValueError(
+                    f"Images.cat: placeholder id, merge or patch width differ ({first.token_id}, {first.merge}, "
+                    f"{first.pixel_values.shape[1]}) vs ({i.token_id}, {i.merge}, {i.pixel_values.shape[1]}): "
+                    "one policy's processor makes every image of a context"
+                )
+        if len(have) == 1:
+            return first
+        return Images(  # one copy of all the rows (a pairwise cat would copy them once per entry)
+            torch.cat([i.pixel_values for i in have]),
+            torch.cat([i.grid_thw for i in have]),
+            first.token_id,
+            first.merge,
+        )
 
 
 def first_diff(a: Tensor, b: Tensor) -> int | None:
