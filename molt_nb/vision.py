@@ -11,6 +11,8 @@ __all__ = ['VISION_TOKENS', 'IMAGE_MARK', 'vision_tokenizer', 'checkpoint_proces
            'collapse_images']
 
 # %% ../nbs/01a_vision.ipynb #a645e637
+import hashlib, threading, weakref
+from collections import OrderedDict
 import numpy as np
 import torch
 from torch import Tensor
@@ -227,22 +229,40 @@ def tiny_vl(
     return model.to(torch.float32).eval()
 
 # %% ../nbs/01a_vision.ipynb #6183077d
+# the rollouts of a group show the same images: the processor's outputs are memoised per processor (held weakly), by
+# the images' contents; like a tokenizer, a processor is not changed once in use
+_PROCESSED, _PROCESSED_SIZE, _PROCESSED_LOCK = weakref.WeakKeyDictionary(), 64, threading.Lock()
+
+
+def _contents(images: list) -> tuple:
+    "What the processor's outputs depend on: each image's shape, type and bytes (hashed)"
+    arrays = [np.ascontiguousarray(np.asarray(im)) for im in images]
+    return tuple((a.shape, a.dtype.str, hashlib.blake2b(a.data, digest_size=16).digest()) for a in arrays)
+
+
 def process_images(
     processor,  # `image_processor()`, or a checkpoint's (AutoImageProcessor)
     images: list,  # PIL images or (h, w, 3) uint8 arrays
     tokenizer,  # its `<|image_pad|>` id tags the images
 ) -> Images | None:
-    "The processor's outputs for `images` as `Images` (None when there are none)"
+    "The processor's outputs for `images` as `Images` (None when there are none); never change the result in place"
     if not images:
         return None
+    token_id = tokenizer.convert_tokens_to_ids(VISION_TOKENS[2])
+    key = (token_id, _contents(images))
+    with _PROCESSED_LOCK:
+        memo = _PROCESSED.setdefault(processor, OrderedDict())
+        if (hit := memo.get(key)) is not None:
+            memo.move_to_end(key)
+            return hit
     # channels last, always: an (h, w, 3) array with h = 3 or 1 would otherwise be read as channels first
     out = processor(images=list(images), return_tensors='pt', input_data_format='channels_last')
-    return Images(
-        out['pixel_values'].float(),
-        out['image_grid_thw'],
-        tokenizer.convert_tokens_to_ids(VISION_TOKENS[2]),
-        getattr(processor, 'merge_size', 2),
-    )
+    result = Images(out['pixel_values'].float(), out['image_grid_thw'], token_id, getattr(processor, 'merge_size', 2))
+    with _PROCESSED_LOCK:
+        memo[key] = result
+        if len(memo) > _PROCESSED_SIZE:
+            memo.popitem(last=False)
+    return result
 
 
 def expand_placeholders(
