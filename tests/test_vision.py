@@ -8,7 +8,7 @@ import torch
 from molt_nb.actor import PolicyActor
 from molt_nb.agents import Env, StepEnvRunner
 from molt_nb.chat import encode, literal
-from molt_nb.core import Result, SamplingParams, Segment, Trajectory, collate
+from molt_nb.core import Images, Result, SamplingParams, Segment, Trajectory, collate
 from molt_nb.engine import TorchEngine
 from molt_nb.models import tiny_dense
 from molt_nb.vision import (
@@ -170,6 +170,10 @@ def test_bad_images_are_refused_with_the_reason():
             asyncio.run(text.generate(ids[:2], SP, images=ia))
         with pytest.raises(ValueError, match='need \\[16\\]'):
             asyncio.run(vl.generate(ids[:-3], SP, images=ia))
+        asyncio.run(vl.generate(ids, SP, images=ia))  # its positions are memoised: the same ids with other images...
+        other = Images(ia.pixel_values, ia.grid_thw, ia.token_id + 1, ia.merge)
+        with pytest.raises(ValueError, match='tagged with placeholder'):  # ... are checked again
+            asyncio.run(vl.generate(ids, SP, images=other))
         with pytest.raises(ValueError, match='no images were given'):
             asyncio.run(vl.generate(ids, SP))
     finally:
