@@ -600,7 +600,19 @@ def _new_rows(self: TorchEngine, reqs, pos):
 @patch
 def _prefill(self: TorchEngine, seqs: list, reqs: list) -> tuple:
     """Prefill `seqs` (each request's prompt, and its sampled tokens on a refill) as one left-padded batch: (last
-    logits, cache, next positions, routes of each or None)."""
+    logits, cache, next positions, routes of each or None). Identical sequences with the same images (a group's
+    rollouts of one prompt) are computed once and their rows copied."""
+    first, pick, inv = {}, [], []  # pick: the first row of each distinct sequence; inv: each row's distinct one
+    for i, (s, r) in enumerate(zip(seqs, reqs)):
+        key = (s.cpu().numpy().tobytes(), len(r.prompt), id(r.images))  # the images: shared by a group's requests
+        if key not in first:
+            first[key] = len(pick)
+            pick.append(i)
+        inv.append(first[key])
+    if len(pick) < len(seqs):
+        logits, cache, nxt, routes = self._prefill([seqs[i] for i in pick], [reqs[i] for i in pick])
+        idx = torch.tensor(inv, device=self.device)
+        return logits[idx], cache.take(idx), nxt[idx], None if routes is None else [routes[j] for j in inv]
     ids, pos, mask, cache = prefill_inputs(seqs, self.dims, self.dtype, self.device)
     vision, nxt = (None, pos[:, -1] + 1) if not self._vision else self._vision_inputs(seqs, reqs, ids.shape[1])
     logits = self._forward(ids, pos if vision is None else vision.pop('position_ids'), mask, cache, vision)
