@@ -179,10 +179,11 @@ def test_time_limit_holds_when_no_step_completes(ray_local, tmp_path, capsys):
     code, out, err, seconds = run_cli(
         ['train', str(d), *TINY, 'loop.seconds=3', 'rollout.timeout_s=600', f'run_dir="{tmp_path}/run"'], capsys
     )
-    assert run_seconds(tmp_path / 'run') < 3 + 10, (
+    assert run_seconds(tmp_path / 'run') < 3 + 20, (
         seconds,
         err[-3000:],
-    )  # the limit, and a margin for the first evaluation and the stop
+    )  # the limit, and a margin for the first evaluation and the stop (15 s seen on a slow 2-core machine; a hung run
+    # would wait for rollout.timeout_s=600)
     assert code and 'the run stopped: no training step finished within loop.seconds=3' in code, code
     assert re.search(r"\d+ were still running", code), code
 
