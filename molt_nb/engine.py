@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
-from .core import Images, SamplingParams, filters_off, process_logits
+from .core import Images, Memo, SamplingParams, filters_off, process_logits
 from molt_nb.decode import (
     SlotCache,
     Qwen3Decoder,
@@ -235,7 +235,7 @@ class TorchEngine:
         for i, gate in moe_gates(model).items():
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
-        self._pos_memo, self._pos_lock = collections.OrderedDict(), threading.Lock()  # `_positions`' memo
+        self._positions_memo = Memo()  # a VLM prompt's check and positions (`_positions`)
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
         self._stale = False  # weights were loaded since the running rows' cache was computed (see `load_weights`)
         self._cdf = None  # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
@@ -319,19 +319,14 @@ def _positions(self: TorchEngine, prompt: torch.Tensor, images: Images | None) -
         key += (images.grid_thw.numpy().tobytes(), images.token_id, images.merge)
     elif images is not None:
         key = None  # not `Images`: the check below says so
-    with self._pos_lock:
-        if (hit := self._pos_memo.get(key)) is not None:
-            self._pos_memo.move_to_end(key)
-            return hit
     c = self.model.config
-    check_vision_prompt(c, prompt, images)
-    grids = images.grid_thw if images is not None else []
-    out = mrope_positions(prompt, grids, c.image_token_id, c.vision_config.spatial_merge_size)
-    with self._pos_lock:
-        self._pos_memo[key] = out
-        if len(self._pos_memo) > 64:
-            self._pos_memo.popitem(last=False)
-    return out
+
+    def compute():
+        check_vision_prompt(c, prompt, images)
+        grids = images.grid_thw if images is not None else []
+        return mrope_positions(prompt, grids, c.image_token_id, c.vision_config.spatial_merge_size)
+
+    return self._positions_memo(key, compute)
 
 # %% ../nbs/03_engine.ipynb #f2de3f82
 @patch

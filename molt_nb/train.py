@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import transformers
 from .engine import TorchEngine
 from .agents import load_module
-from .core import Images
 from .vision import encode_parts, vision_inputs
 from .chat import encode
 from .pool import RunStopped
@@ -61,17 +60,14 @@ def supervised(
         raise ValueError("supervised: give steps or seconds")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
     g, start, step, loss = torch.Generator().manual_seed(seed), time.perf_counter(), 0, math.nan
-    if images is not None:  # each row's 3D positions over its real tokens (prompt, completion), computed once
-        real = labels != -100
-        positions = vision_inputs(ids, real.shape[1] - real.flip(1).int().argmax(1), images)['position_ids']
     model.train()
     while (steps is None or step < steps) and (seconds is None or time.perf_counter() - start < seconds):
         idx = torch.randint(len(ids), (batch_size,), generator=g)
         kw = {}
-        if images is not None:  # the rows' positions and pixels
-            kw = dict(position_ids=positions[:, idx])
-            if (rows := Images.cat_all([images[i] for i in idx.tolist()])) is not None:
-                kw |= dict(pixel_values=rows.pixel_values, image_grid_thw=rows.grid_thw)
+        if images is not None:  # each row's pixels, and its 3D positions over its real tokens (prompt, completion)
+            real = labels[idx] != -100
+            lengths = real.shape[1] - real.flip(1).int().argmax(1)
+            kw = vision_inputs(ids[idx], lengths, [images[i] for i in idx.tolist()])
         logits = model(input_ids=ids[idx], **kw).logits[:, :-1]
         loss = F.cross_entropy(logits.float().transpose(1, 2), labels[idx][:, 1:])
         loss.backward()

@@ -11,8 +11,7 @@ __all__ = ['VISION_TOKENS', 'IMAGE_MARK', 'vision_tokenizer', 'checkpoint_proces
            'collapse_images']
 
 # %% ../nbs/01a_vision.ipynb #a645e637
-import hashlib, threading, weakref
-from collections import OrderedDict
+import hashlib, weakref
 import numpy as np
 import torch
 from torch import Tensor
@@ -24,7 +23,7 @@ from transformers import (
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
 )
-from .core import Images, check_images, image_spans
+from .core import Images, Memo, check_images, image_spans
 import reprlib
 from .chat import encode
 from .models import CHAT_TEMPLATE, byte_bpe
@@ -231,7 +230,7 @@ def tiny_vl(
 # %% ../nbs/01a_vision.ipynb #6183077d
 # the rollouts of a group show the same images: the processor's outputs are memoised per processor (held weakly), by
 # the images' contents; like a tokenizer, a processor is not changed once in use
-_PROCESSED, _PROCESSED_SIZE, _PROCESSED_LOCK = weakref.WeakKeyDictionary(), 64, threading.Lock()
+_PROCESSED = weakref.WeakKeyDictionary()  # {processor: Memo of its outputs}
 
 
 def _contents(images: list) -> tuple:
@@ -249,20 +248,13 @@ def process_images(
     if not images:
         return None
     token_id = tokenizer.convert_tokens_to_ids(VISION_TOKENS[2])
-    key = (token_id, _contents(images))
-    with _PROCESSED_LOCK:
-        memo = _PROCESSED.setdefault(processor, OrderedDict())
-        if (hit := memo.get(key)) is not None:
-            memo.move_to_end(key)
-            return hit
-    # channels last, always: an (h, w, 3) array with h = 3 or 1 would otherwise be read as channels first
-    out = processor(images=list(images), return_tensors='pt', input_data_format='channels_last')
-    result = Images(out['pixel_values'].float(), out['image_grid_thw'], token_id, getattr(processor, 'merge_size', 2))
-    with _PROCESSED_LOCK:
-        memo[key] = result
-        if len(memo) > _PROCESSED_SIZE:
-            memo.popitem(last=False)
-    return result
+
+    def compute():
+        # channels last, always: an (h, w, 3) array with h = 3 or 1 would otherwise be read as channels first
+        out = processor(images=list(images), return_tensors='pt', input_data_format='channels_last')
+        return Images(out['pixel_values'].float(), out['image_grid_thw'], token_id, getattr(processor, 'merge_size', 2))
+
+    return _PROCESSED.setdefault(processor, Memo())((token_id, _contents(images)), compute)
 
 
 def expand_placeholders(
