@@ -226,19 +226,24 @@ def _joined(parts: list):
     return ''.join(out) if all(isinstance(p, str) for p in out) else out
 
 
-def _user_content(content, where: str, media: _Media | None):
-    "A user message's content: its text, or text and images for a multimodal server"
+def _media_content(
+    content,
+    where: str,
+    media: _Media | None,
+    image: str = 'image_url',  # the image part's type: OpenAI's 'image_url' parts, or Anthropic's 'image' blocks
+):
+    "A content's text, or text and images for a multimodal server (an OpenAI user message, an Anthropic tool result)"
     if media is None or not isinstance(content, list):
         return _text(content, where)
     parts = []
     for i, p in enumerate(content):
-        if isinstance(p, dict) and p.get('type') == 'image_url':
-            parts.append(media.openai(p, f"{where}[{i}]"))
+        if isinstance(p, dict) and p.get('type') == image:
+            parts.append((media.openai if image == 'image_url' else media.anthropic)(p, f"{where}[{i}]"))
         elif isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str):
             parts.append(p['text'])
         else:
             kind = p.get('type') if isinstance(p, dict) else type(p).__name__
-            raise _bad(f"{where}[{i}] is a {kind!r} part: send text and image_url parts", f"{where}[{i}]")
+            raise _bad(f"{where}[{i}] is a {kind!r} part: send text and {image} parts", f"{where}[{i}]")
     return _joined(parts)
 
 # %% ../nbs/06_chat_server.ipynb #b71be31e
@@ -263,7 +268,7 @@ def from_openai(messages: list, tools: list | None, media: _Media | None = None)
         if role in ('system', 'developer'):
             out.append(_message('system', _text(m.get('content'), f"{where}.content")))
         elif role == 'user':
-            out.append(_message('user', _user_content(m.get('content'), f"{where}.content", media)))
+            out.append(_message('user', _media_content(m.get('content'), f"{where}.content", media)))
         elif role == 'assistant':
             calls = [
                 _call(
@@ -326,9 +331,8 @@ def _anthropic_user(content, where: str, media: _Media | None = None) -> list:
         if text:
             out.append(_message('user', _joined(text)))
             text = []
-        out.append(
-            _message('tool', _text(b.get('content'), f"{where}[{j}].content"), tool_call_id=b.get('tool_use_id') or '')
-        )
+        result = _media_content(b.get('content'), f"{where}[{j}].content", media, 'image')  # a screenshot, a plot
+        out.append(_message('tool', result, tool_call_id=b.get('tool_use_id') or ''))
     if text:
         out.append(_message('user', _joined(text)))
     return out

@@ -1,6 +1,6 @@
 """Images through the token-first contract: the engine, the step runner and the trainer agree on a tiny Qwen3-VL."""
 
-import asyncio, copy
+import asyncio, copy, re
 
 import pytest
 import torch
@@ -211,6 +211,13 @@ def test_chat_server_round_trips_images_through_both_sdks():
     a, b = png_b64(A), png_b64(B)
     oa_image = lambda data: dict(type='image_url', image_url=dict(url=f'data:image/png;base64,{data}'))
     an_image = lambda data: dict(type='image', source=dict(type='base64', media_type='image/png', data=data))
+    looked = lambda image: [  # the model called `look`; the tool's result is an image and a text
+        dict(role='assistant', content=[dict(type='tool_use', id='t1', name='look', input={})]),
+        dict(
+            role='user',
+            content=[dict(type='tool_result', tool_use_id='t1', content=[image, dict(type='text', text='?')])],
+        ),
+    ]
 
     async def go():
         engine = TorchEngine(copy.deepcopy(model), seed=0)
@@ -241,6 +248,14 @@ def test_chat_server_round_trips_images_through_both_sdks():
             ]
             await an.messages.create(model='policy', messages=amsgs, max_tokens=5)
             sessions.append(s)
+            # Anthropic: the second image in a tool's result (a tool that returns a picture)
+            s = server.open(engine, sp, 512)
+            an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
+            amsgs = [dict(role='user', content=[dict(type='text', text='count: '), an_image(a)])]
+            await an.messages.create(model='policy', messages=amsgs, max_tokens=5)
+            amsgs += looked(an_image(b))
+            await an.messages.create(model='policy', messages=amsgs, max_tokens=5)
+            sessions.append(s)
             # refusals: each says why, with a 4xx
             s = server.open(engine, sp, 512)
             oa = openai.AsyncOpenAI(base_url=server.base_url(s.id), api_key=server.token, max_retries=0)
@@ -259,6 +274,12 @@ def test_chat_server_round_trips_images_through_both_sdks():
             to = openai.AsyncOpenAI(base_url=text_server.base_url(t.id), api_key=text_server.token, max_retries=0)
             with pytest.raises(openai.BadRequestError, match='reads text only'):
                 await to.chat.completions.create(model='policy', messages=[dict(role='user', content=[oa_image(a)])])
+            ta = anthropic.AsyncAnthropic(
+                base_url=text_server.session_url(t.id), api_key=text_server.token, max_retries=0
+            )
+            with pytest.raises(anthropic.BadRequestError, match='reads text only'):
+                opening = [dict(role='user', content='count: ')]
+                await ta.messages.create(model='policy', messages=opening + looked(an_image(b)), max_tokens=5)
             an = anthropic.AsyncAnthropic(base_url=server.session_url(s.id), api_key=server.token, max_retries=0)
             with pytest.raises(anthropic.BadRequestError, match='fetches nothing'):
                 url = dict(type='image', source=dict(type='url', url='http://example.com/a.png'))
@@ -280,6 +301,8 @@ def test_chat_server_round_trips_images_through_both_sdks():
         assert seg.images.tokens.tolist() == [16, 6] and seg.token_ids.tolist().count(PAD) == 22
         assert torch.equal(seg.images.pixel_values, process_images(PROC, [A, B], TOK).pixel_values)
         trs.append(Trajectory(f'r{i}', 'g', 0, s.segments, reward=1.0))
+    tool_turn = TOK.decode(sessions[2].segments[-1].token_ids)  # the second image inside the tool's response
+    assert re.search(r'<tool_response>\n<\|vision_start\|>(<\|image_pad\|>){6}<\|vision_end\|>\?', tool_turn), tool_turn
     batch = collate(trs)
     lp = PolicyActor(copy.deepcopy(model), micro_batch_rows=2).logprobs(batch)
     assert ((lp - batch.logprobs) * batch.action_mask).abs().max() < 1e-5
