@@ -16,10 +16,12 @@ is left out of TRL's clock (the clock stops while it evaluates), as molt-nb's `t
 
     .venv/bin/python bench/trl.py [--seconds 90] [--reps 1] [--append bench/RESULTS.md]
 
+With --reps N the arms alternate N times; the table shows each figure's median and lists every repetition's ratio.
+
 Writes bench/out/trl.json and bench/out/trl.png. Not part of `make test`.
 """
 
-import argparse, datetime, json, os, platform, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, platform, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +225,40 @@ def time_to(history: list, acc: float):
     return next((h['time'] for h in history if h['eval'] >= acc - 1e-9), None)
 
 
+def medians(runs: dict) -> tuple:
+    """Each arm's median figures over the repetitions, and the per-repetition lines. In each repetition an arm's time
+    to TRL's final accuracy is measured against that repetition's TRL run; an arm that never reaches it counts as
+    infinitely slow in the median (None when it is the median)"""
+    trl = runs['(a) TRL GRPOTrainer']
+    for k, rs in runs.items():
+        for r, t in zip(rs, trl):
+            r['time_to_trl_final'] = time_to(r['history'], t['final'])
+    med = lambda xs: statistics.median_low(xs)  # an observed value: the table shows one run's figure per cell
+    inf = float('inf')
+    res = {
+        k: dict(
+            steps=med([r['steps'] for r in rs]),
+            samples_per_s=med([r['samples_per_s'] for r in rs]),
+            start=med([r['history'][0]['eval'] for r in rs]),
+            final=med([r['final'] for r in rs]),
+            seconds=med([r['seconds'] for r in rs]),
+            time_to_trl_final=(lambda t: None if t == inf else t)(
+                med([inf if r['time_to_trl_final'] is None else r['time_to_trl_final'] for r in rs])
+            ),
+            settings=rs[0].get('settings'),
+        )
+        for k, rs in runs.items()
+    }
+    asy = runs['(c) molt-nb async']
+    per_rep = [
+        f"repetition {i}: TRL {t['samples_per_s']:.0f} rollouts/s, final {t['final']:.3f}; async "
+        f"{a['samples_per_s']:.0f} rollouts/s ({a['samples_per_s'] / t['samples_per_s']:.2f}x), reaches it in "
+        f"{'never' if a['time_to_trl_final'] is None else format(a['time_to_trl_final'], '.0f') + ' s'}"
+        for i, (t, a) in enumerate(zip(trl, asy))
+    ]
+    return res, per_rep
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--seconds', type=float, default=90, help='wall time of each arm, evaluations left out')
@@ -261,12 +297,8 @@ def main():
             runs[name].append(r)
             print(f"{name} (rep {rep}): {r['samples_per_s']:.0f} rollouts/s, {r['steps']} steps, accuracy "
                   f"{r['history'][0]['eval']:.3f} -> {r['final']:.3f} in {r['seconds']:.0f} s", flush=True)  # fmt: skip
-    # the figures of the last repetition (the default is one), each arm's time to TRL's final accuracy
-    res = {k: v[-1] for k, v in runs.items()}
-    trl_final = res['(a) TRL GRPOTrainer']['final']
-    for r in res.values():
-        r['time_to_trl_final'] = time_to(r['history'], trl_final)
-    trl_r, asy = res['(a) TRL GRPOTrainer'], res['(c) molt-nb async']
+    res, per_rep = medians(runs)
+    trl_final, trl_r, asy = res['(a) TRL GRPOTrainer']['final'], res['(a) TRL GRPOTrainer'], res['(c) molt-nb async']
     ratio = asy['samples_per_s'] / trl_r['samples_per_s']
     goal_time = asy['time_to_trl_final'] is not None and asy['time_to_trl_final'] <= trl_r['seconds'] / 2
     goal_rate = ratio >= 2
@@ -277,8 +309,9 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in res.items():
-        ax.plot([h['time'] for h in r['history']], [h['eval'] for h in r['history']], marker='o', ms=3, label=name)
+    for name, rs in runs.items():  # the last repetition's curves
+        h = rs[-1]['history']
+        ax.plot([x['time'] for x in h], [x['eval'] for x in h], marker='o', ms=3, label=name)
     ax.axhline(trl_final, color='grey', ls=':', lw=1, label="TRL's final accuracy")
     ax.set(xlabel='wall time, evaluations left out (s)', ylabel='held-out accuracy (greedy exact match)',
            title=f'arith: GRPO from one warm start ({args.seconds:g} s per arm)')  # fmt: skip
@@ -305,7 +338,9 @@ def main():
         f"Command: `.venv/bin/python bench/trl.py --seconds {args.seconds:g} --reps {args.reps} --seed {args.seed}`. "
         f"Machine: {out['machine']}. One supervised warm start (molt-nb's, 450 demos, 600 steps; held-out accuracy "
         f"{warm_acc:.3f}), saved with `save_policy`; each arm runs GRPO from it for {args.seconds:g} s of wall time, "
-        f"evaluations left out, {args.reps} repetition(s), arms in the order of the table. Same reward (exact match), "
+        f"evaluations left out, {args.reps} repetition(s), arms in the order of the table; each cell is the median "
+        "over the repetitions (the lower middle value when their number is even), each repetition's time measured "
+        "against its own TRL run's final accuracy. Same reward (exact match), "
         "16 prompts x 8 samples per step, lr 1e-4 constant, AdamW betas (0.9, 0.99), clip 1.0, temperature 1, at most "
         "4 new tokens; held-out accuracy is greedy exact match on the 500 eval tasks. "
         f"TRL {s['trl']} (in .venv-trl) settings: `use_cpu=True`, no vLLM, `beta=0.0`, "
@@ -325,7 +360,7 @@ def main():
     ]
     for name, r in res.items():
         lines.append(
-            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['history'][0]['eval']:.3f} -> {r['final']:.3f} "
+            f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['start']:.3f} -> {r['final']:.3f} "
             f"| {r['seconds']:.0f} | {fmt(r['time_to_trl_final'])} |"
         )
     lines += [
@@ -333,7 +368,10 @@ def main():
         f"Goals: async reaches TRL's final accuracy ({trl_final:.3f}) in at most half TRL's wall time "
         f"({trl_r['seconds'] / 2:.0f} s): **{'met' if goal_time else 'not met'}** "
         f"({fmt(asy['time_to_trl_final'])}); async rollouts/s at least 2x TRL's: "
-        f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x). Plot: bench/out/trl.png; data: bench/out/trl.json.",
+        f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x). Plot (the last repetition): bench/out/trl.png; data: "
+        "bench/out/trl.json.",
+        "",
+        *[f"- {x}" for x in per_rep],
         "",
         "Not equal between the arms: the policy loss (TRL's `loss_type` above vs molt-nb's recipe loss, algo.loss), "
         "the data order (TRL's own shuffled sampler), the threads (TRL one process with 2, molt-nb two processes), "
