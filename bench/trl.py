@@ -299,7 +299,9 @@ def main():
                   f"{r['history'][0]['eval']:.3f} -> {r['final']:.3f} in {r['seconds']:.0f} s", flush=True)  # fmt: skip
     res, per_rep = medians(runs)
     trl_final, trl_r, asy = res['(a) TRL GRPOTrainer']['final'], res['(a) TRL GRPOTrainer'], res['(c) molt-nb async']
-    ratio = asy['samples_per_s'] / trl_r['samples_per_s']
+    # each repetition's async/TRL ratio (the two ran minutes apart), their median
+    pairs = zip(runs['(a) TRL GRPOTrainer'], runs['(c) molt-nb async'])
+    ratio = statistics.median(a['samples_per_s'] / t['samples_per_s'] for t, a in pairs)
     goal_time = asy['time_to_trl_final'] is not None and asy['time_to_trl_final'] <= trl_r['seconds'] / 2
     goal_rate = ratio >= 2
 
@@ -312,7 +314,8 @@ def main():
     for name, rs in runs.items():  # the last repetition's curves
         h = rs[-1]['history']
         ax.plot([x['time'] for x in h], [x['eval'] for x in h], marker='o', ms=3, label=name)
-    ax.axhline(trl_final, color='grey', ls=':', lw=1, label="TRL's final accuracy")
+    last_final = runs['(a) TRL GRPOTrainer'][-1]['final']
+    ax.axhline(last_final, color='grey', ls=':', lw=1, label="TRL's final accuracy")
     ax.set(xlabel='wall time, evaluations left out (s)', ylabel='held-out accuracy (greedy exact match)',
            title=f'arith: GRPO from one warm start ({args.seconds:g} s per arm)')  # fmt: skip
     ax.legend()
@@ -365,11 +368,12 @@ def main():
         )
     lines += [
         "",
-        f"Goals: async reaches TRL's final accuracy ({trl_final:.3f}) in at most half TRL's wall time "
+        f"Goals: async reaches TRL's final accuracy (median {trl_final:.3f}; each repetition against its own) in at "
+        "most half TRL's wall time "
         f"({trl_r['seconds'] / 2:.0f} s): **{'met' if goal_time else 'not met'}** "
         f"({fmt(asy['time_to_trl_final'])}); async rollouts/s at least 2x TRL's: "
-        f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x). Plot (the last repetition): bench/out/trl.png; data: "
-        "bench/out/trl.json.",
+        f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x, the median of the repetitions' ratios). Plot (the "
+        "last repetition): bench/out/trl.png; data: bench/out/trl.json.",
         "",
         *[f"- {x}" for x in per_rep],
         "",

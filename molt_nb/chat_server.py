@@ -324,8 +324,12 @@ def _anthropic_user(content, where: str, media: _Media | None = None) -> list:
             continue
         if kind != 'tool_result':
             raise _bad(
-                f"{where}[{j}] is a {kind!r} block: user messages hold 'text' and 'tool_result' blocks (the model "
-                "reads text only)",
+                f"{where}[{j}] is a {kind!r} block: user messages hold "
+                + (
+                    "'text' and 'tool_result' blocks (the model reads text only)"
+                    if media is None
+                    else "'text', 'image' and 'tool_result' blocks"
+                ),
                 f"{where}[{j}]",
             )
         if text:

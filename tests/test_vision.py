@@ -284,6 +284,13 @@ def test_chat_server_round_trips_images_through_both_sdks():
             with pytest.raises(anthropic.BadRequestError, match='fetches nothing'):
                 url = dict(type='image', source=dict(type='url', url='http://example.com/a.png'))
                 await an.messages.create(model='policy', messages=[dict(role='user', content=[url])], max_tokens=5)
+            with pytest.raises(anthropic.BadRequestError, match='max_images'):  # a tool's images count too
+                two = [dict(role='user', content=[an_image(a), an_image(a)])]
+                await an.messages.create(model='policy', messages=two + looked(an_image(b)), max_tokens=5)
+            with pytest.raises(anthropic.BadRequestError, match="'text', 'image' and 'tool_result' blocks"):
+                await an.messages.create(
+                    model='policy', messages=[dict(role='user', content=[{'type': 'audio'}])], max_tokens=5
+                )
             return sessions, refused
         finally:
             await server.stop()
