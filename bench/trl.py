@@ -225,16 +225,21 @@ def time_to(history: list, acc: float):
     return next((h['time'] for h in history if h['eval'] >= acc - 1e-9), None)
 
 
+def as_time(t) -> str:
+    "A time to an accuracy as the table shows it: None or infinity (never reached) is 'never'"
+    return 'never' if t is None or t == float('inf') else f"{t:.0f} s"
+
+
 def medians(runs: dict) -> tuple:
     """Each arm's median figures over the repetitions, and the per-repetition lines. In each repetition an arm's time
     to TRL's final accuracy is measured against that repetition's TRL run; an arm that never reaches it counts as
-    infinitely slow in the median (None when it is the median)"""
+    infinitely slow in the median"""
     trl = runs['(a) TRL GRPOTrainer']
     for k, rs in runs.items():
         for r, t in zip(rs, trl):
             r['time_to_trl_final'] = time_to(r['history'], t['final'])
-    med = lambda xs: statistics.median_low(xs)  # an observed value: the table shows one run's figure per cell
-    inf = float('inf')
+    med = statistics.median_low  # an observed value: the table shows one run's figure per cell
+    never = lambda t: float('inf') if t is None else t  # noqa: E731
     res = {
         k: dict(
             steps=med([r['steps'] for r in rs]),
@@ -242,9 +247,7 @@ def medians(runs: dict) -> tuple:
             start=med([r['history'][0]['eval'] for r in rs]),
             final=med([r['final'] for r in rs]),
             seconds=med([r['seconds'] for r in rs]),
-            time_to_trl_final=(lambda t: None if t == inf else t)(
-                med([inf if r['time_to_trl_final'] is None else r['time_to_trl_final'] for r in rs])
-            ),
+            time_to_trl_final=med([never(r['time_to_trl_final']) for r in rs]),
             settings=rs[0].get('settings'),
         )
         for k, rs in runs.items()
@@ -253,7 +256,7 @@ def medians(runs: dict) -> tuple:
     per_rep = [
         f"repetition {i}: TRL {t['samples_per_s']:.0f} rollouts/s, final {t['final']:.3f}; async "
         f"{a['samples_per_s']:.0f} rollouts/s ({a['samples_per_s'] / t['samples_per_s']:.2f}x), reaches it in "
-        f"{'never' if a['time_to_trl_final'] is None else format(a['time_to_trl_final'], '.0f') + ' s'}"
+        f"{as_time(a['time_to_trl_final'])}"
         for i, (t, a) in enumerate(zip(trl, asy))
     ]
     return res, per_rep
@@ -334,7 +337,6 @@ def main():
     )
     (OUT / 'trl.json').write_text(json.dumps(out, indent=1))
     s = trl_r['settings']
-    fmt = lambda x: 'never' if x is None else f"{x:.0f} s"  # noqa: E731
     lines = [
         f"## TRL GRPOTrainer vs molt-nb sync and async on arith ({datetime.date.today()})",
         "",
@@ -364,14 +366,14 @@ def main():
     for name, r in res.items():
         lines.append(
             f"| {name} | {r['steps']} | {r['samples_per_s']:.0f} | {r['start']:.3f} -> {r['final']:.3f} "
-            f"| {r['seconds']:.0f} | {fmt(r['time_to_trl_final'])} |"
+            f"| {r['seconds']:.0f} | {as_time(r['time_to_trl_final'])} |"
         )
     lines += [
         "",
         f"Goals: async reaches TRL's final accuracy (median {trl_final:.3f}; each repetition against its own) in at "
         "most half TRL's wall time "
         f"({trl_r['seconds'] / 2:.0f} s): **{'met' if goal_time else 'not met'}** "
-        f"({fmt(asy['time_to_trl_final'])}); async rollouts/s at least 2x TRL's: "
+        f"({as_time(asy['time_to_trl_final'])}); async rollouts/s at least 2x TRL's: "
         f"**{'met' if goal_rate else 'not met'}** ({ratio:.2f}x, the median of the repetitions' ratios). Plot (the "
         "last repetition): bench/out/trl.png; data: bench/out/trl.json.",
         "",
