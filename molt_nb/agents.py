@@ -72,6 +72,7 @@ class StepEnvRunner:
             max_context,
         )
         self.observation_role, self.tools, self.template, self.processor = observation_role, tools, template, processor
+        self._prompts = {}  # text -> its prompt Segment: the rollouts of a group open on one prompt (`_opening`)
 
 # %% ../nbs/05_agents.ipynb #21cde71c
 class RolloutAborted(RuntimeError):
@@ -132,6 +133,10 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
         if not messages:
             raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
         text, images = self._render(messages, True)
+    if not images and (seg := self._prompts.get(text)) is not None:
+        # the group's other rollouts share its first's segment (segments are never changed in place): 4 tensor
+        # creations per rollout, each of which hands the GIL to a busy engine thread, made once per group
+        return messages, seg
     ids, processed = self._encode(text, images)
     if len(ids) >= self.max_context:
         held = f" ({int(processed.tokens.sum())} of them for {len(processed)} image(s))" if processed else ''
@@ -139,7 +144,12 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
             f"the prompt has {len(ids)} tokens{held}, not below StepEnvRunner.max_context={self.max_context}: raise "
             "max_context or shorten the task (smaller images take fewer tokens)"
         )
-    return messages, Segment.prompt(ids, images=processed)
+    seg = Segment.prompt(ids, images=processed)
+    if not images:
+        if len(self._prompts) >= 1024:  # the oldest goes first: a run cycles through more prompts than this
+            del self._prompts[next(iter(self._prompts))]
+        self._prompts[text] = seg
+    return messages, seg
 
 # %% ../nbs/05_agents.ipynb #52315a87
 @patch
