@@ -72,7 +72,7 @@ class StepEnvRunner:
             max_context,
         )
         self.observation_role, self.tools, self.template, self.processor = observation_role, tools, template, processor
-        self._prompts = {}  # text -> its prompt Segment: the rollouts of a group open on one prompt (`_opening`)
+        self._prompts = {}  # text -> (its Images, its prompt Segment): a group's rollouts open on one (`_opening`)
 
 # %% ../nbs/05_agents.ipynb #21cde71c
 class RolloutAborted(RuntimeError):
@@ -133,11 +133,14 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
         if not messages:
             raise ValueError(f"{env}.reset returned no messages: return the opening chat messages (or a prompt string)")
         text, images = self._render(messages, True)
-    if not images and (seg := self._prompts.get(text)) is not None:
-        # the group's other rollouts share its first's segment (segments are never changed in place): 4 tensor
-        # creations per rollout, each of which hands the GIL to a busy engine thread, made once per group
-        return messages, seg
+    # the group's other rollouts share its first's segment (segments are never changed in place): `Segment.prompt`'s
+    # tensors and checks, each op of which hands the GIL to a busy engine thread, once per group. With images, the
+    # same text and the same processed images (`process_images` memoises them by their contents)
+    if (hit := self._prompts.get(text)) is not None and not images:
+        return messages, hit[1]
     ids, processed = self._encode(text, images)
+    if hit is not None and hit[0] is processed:
+        return messages, hit[1]
     if len(ids) >= self.max_context:
         held = f" ({int(processed.tokens.sum())} of them for {len(processed)} image(s))" if processed else ''
         raise ValueError(
@@ -145,10 +148,9 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
             "max_context or shorten the task (smaller images take fewer tokens)"
         )
     seg = Segment.prompt(ids, images=processed)
-    if not images:
-        if len(self._prompts) >= 1024:  # the oldest goes first: a run cycles through more prompts than this
-            del self._prompts[next(iter(self._prompts))]
-        self._prompts[text] = seg
+    if len(self._prompts) >= 64:  # the oldest goes first: a group's rollouts open together
+        del self._prompts[next(iter(self._prompts))]
+    self._prompts[text] = (processed, seg)
     return messages, seg
 
 # %% ../nbs/05_agents.ipynb #52315a87

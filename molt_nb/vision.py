@@ -7,13 +7,14 @@ expanded ids and Qwen-VL's 3D rotary positions, checked by decoding with a cache
 __all__ = ['VISION_TOKENS', 'IMAGE_MARK', 'vision_tokenizer', 'checkpoint_processor', 'image_processor', 'image_tokens',
            'expand_ids', 'draw_shapes', 'mrope_positions', 'tiny_vl', 'process_images', 'expand_placeholders',
            'is_image_part', 'flat_content', 'encode_images', 'encode_parts', 'is_vision', 'text_config', 'vision_ids',
-           'check_vision_prompt', 'vision_inputs', 'image_pixels', 'thumbnail', 'image_arrays', 'check_arrays',
-           'collapse_images']
+           'check_vision_prompt', 'rows_positions', 'vision_inputs', 'image_pixels', 'thumbnail', 'image_arrays',
+           'check_arrays', 'collapse_images']
 
 # %% ../nbs/01a_vision.ipynb #a645e637
 import hashlib, weakref
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import (
     PreTrainedTokenizerFast,
@@ -392,19 +393,63 @@ def check_vision_prompt(
         )
 
 
+def rows_positions(
+    ids: Tensor,  # (B, T) right-padded rows, on the CPU
+    lengths: Tensor,  # (B,) real tokens of each row
+    images: list,  # (B,) each row's Images or None
+) -> Tensor | None:
+    """`mrope_positions` of every row at once, (3, B, T), 0 past each row's length; None when the rows' images use
+    different placeholders or merge sizes, or a row's placeholders do not match its grids"""
+    # a trainer's micro-batch or a warm start's batch holds a hundred rows: one pass of tensor ops over all of them,
+    # not a dozen per row
+    kinds = {(im.token_id, im.merge) for im in images if im is not None}
+    if len(kinds) > 1:
+        return None
+    B, T = ids.shape
+    at = torch.arange(T)
+    real = at < lengths.reshape(-1, 1)
+    if not kinds:
+        return torch.where(real, at, 0).expand(3, B, T).clone()
+    ((token, merge),) = kinds
+    img = (ids == token) & real & torch.tensor([im is not None for im in images]).reshape(-1, 1)
+    first = img & ~F.pad(img[:, :-1], (1, 0))  # the first placeholder of each image, rows in order
+    last = img & ~F.pad(img[:, 1:], (0, 1))
+    grids = torch.cat([im.grid_thw for im in images if im is not None]).long().reshape(-1, 3)
+    t, h, w = grids[:, 0], grids[:, 1] // merge, grids[:, 2] // merge
+    size = t * h * w
+    fr, fc = first.nonzero(as_tuple=True)
+    lr, lc = last.nonzero(as_tuple=True)
+    per_row = torch.tensor([0 if im is None else len(im) for im in images])
+    if not torch.equal(first.sum(1), per_row) or not torch.equal(lc - fc + 1, size):
+        return None
+    advance = (~img).long()  # a text token moves one position; an image moves by its largest side, at its last token
+    advance[lr, lc] = torch.stack([t, h, w], 1).amax(1)
+    before = advance.cumsum(1) - advance  # each token's base position
+    pos = before.expand(3, B, T).clone()
+    which = torch.repeat_interleave(torch.arange(len(grids)), size)  # each placeholder's image, in row-major order
+    k = torch.arange(len(which)) - (size.cumsum(0) - size)[which]  # its index within its image: (t, h, w) row-major
+    hw, wi = (h * w)[which], w[which]
+    base = before[fr, fc][which]
+    tr, tc = img.nonzero(as_tuple=True)
+    pos[:, tr, tc] = base + torch.stack([k // hw, (k // wi) % h[which], k % wi])
+    return pos.masked_fill_(~real, 0)
+
+
 def vision_inputs(
     input_ids: Tensor,  # (B, T) right-padded rows
     lengths,  # (B,) real tokens of each row
     images: list,  # (B,) each row's Images or None
 ) -> dict:
     "position_ids (3, B, T) and, when any row has images, pixel_values and image_grid_thw in row order"
-    B, T = input_ids.shape
-    pos = torch.zeros(3, B, T, dtype=torch.long)
-    for i, (n, im) in enumerate(zip(torch.as_tensor(lengths).tolist(), images)):
-        if im is None:
-            pos[:, i, :n] = torch.arange(n)
-        else:
-            pos[:, i, :n] = mrope_positions(input_ids[i, :n].cpu(), im.grid_thw, im.token_id, im.merge)[0]
+    pos = rows_positions(input_ids.cpu(), torch.as_tensor(lengths).cpu(), images)
+    if pos is None:  # rows of different placeholders, or ids and grids that disagree: row by row (which says how)
+        B, T = input_ids.shape
+        pos = torch.zeros(3, B, T, dtype=torch.long)
+        for i, (n, im) in enumerate(zip(torch.as_tensor(lengths).tolist(), images)):
+            if im is None:
+                pos[:, i, :n] = torch.arange(n)
+            else:
+                pos[:, i, :n] = mrope_positions(input_ids[i, :n].cpu(), im.grid_thw, im.token_id, im.merge)[0]
     out = dict(position_ids=pos.to(input_ids.device))
     if (all_images := Images.cat_all(images)) is not None:
         out |= dict(

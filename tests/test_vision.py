@@ -71,6 +71,18 @@ def look_rollouts(model, n: int, chat: bool = False) -> list:
         engine.close()
 
 
+def test_a_groups_rollouts_share_their_prompt_segment_with_its_images():
+    "A group's rollouts open on one prompt and image: one segment, made once; the same text with another image: its own"
+    runner = StepEnvRunner(lambda: None, TOK, template=False, processor=PROC)
+    first, again = (runner._opening(['how many shapes? ', A.copy(), ' answer:'])[1] for _ in range(2))
+    assert again is first  # equal pixels in another array: the same processed images, the same segment
+    other = runner._opening(['how many shapes? ', B, ' answer:'])[1]
+    assert other is not first and other.images == process_images(PROC, [B], TOK)
+    assert not torch.equal(other.token_ids, first.token_ids)  # B's grid makes another number of placeholders
+    back = runner._opening(['how many shapes? ', A, ' answer:'])[1]
+    assert back == first and back.images == process_images(PROC, [A], TOK)
+
+
 @pytest.mark.parametrize('chat', [True, False])
 def test_two_images_in_two_turns_engine_and_trainer_agree(chat):
     model = tiny_vl(TOK, seed=3)
