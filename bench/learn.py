@@ -1,7 +1,8 @@
 """The main job's claim, per seed: RL on unlabelled prompts adds what more supervision on the same labels does not.
 
 For each seed, `molt-nb train recipes/<recipe> loop.seed=S` in full: a warm start on the recipe's labelled demos, RL on
-Ray for the recipe's 160 s, and a control that continues supervised training on the same demos for as long as RL ran.
+Ray for the recipe's loop.seconds, and a control that continues supervised training on the same demos for as long as
+RL ran.
 The acceptance bars (held-out accuracy, mean of the last 3 evaluations, on every seed):
 - arith: RL gains >= 40 points while the control gains <= 10;
 - shapes (images): RL ends >= 3 points above the control.
@@ -14,22 +15,23 @@ import argparse, datetime, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 import pandas as pd
 import torch
+from molt_nb.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of one seed's row
     arith=(
         "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, "
-        "async with max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 450 demos from "
-        "the same warm start for as long as RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean of "
-        "the last 3 evaluations. Bar: RL gain >= +0.40 and control gain <= +0.10 on every seed.",
+        "async with max_staleness 2 on a local Ray, {seconds:g} s. Control: supervised training on the same 450 demos"
+        " from the same warm start for as long as RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean"
+        " of the last 3 evaluations. Bar: RL gain >= +0.40 and control gain <= +0.10 on every seed.",
         lambda r: r['rl_gain'] >= 0.40 and r['control_gain'] <= 0.10,
     ),
     shapes=(
         "A tiny Qwen3-VL (text 128 wide, 2 layers; vision tower 32 wide, 2 blocks; 64x64 images as 16 tokens). Warm "
         "start: 600 labelled images, 600 supervised steps. RL: GRPO, 16 images x 8 samples per step, lr 1e-4, async "
-        "with max_staleness 2 on a local Ray, 160 s. Control: supervised training on the same 600 demos from the same "
-        "warm start for as long as RL ran. Accuracy: greedy exact match on the 300 held-out images, mean of the last 3 "
-        "evaluations. Bar: RL ends >= +0.03 above the control on every seed.",
+        "with max_staleness 2 on a local Ray, {seconds:g} s. Control: supervised training on the same 600 demos from "
+        "the same warm start for as long as RL ran. Accuracy: greedy exact match on the 300 held-out images, mean of "
+        "the last 3 evaluations. Bar: RL ends >= +0.03 above the control on every seed.",
         lambda r: r['rl'] - r['control'] >= 0.03,
     ),
 )
@@ -74,6 +76,7 @@ def main():
         )
         print(rows[-1], flush=True)
     what, bar = RECIPES[args.recipe]
+    what = what.format(seconds=load_config(ROOT / 'recipes' / args.recipe).loop.seconds)
     ok = all(map(bar, rows))
     lines = [
         f"## learn: {args.recipe}, the main job per seed, RL against a supervised control ({datetime.date.today()})",
