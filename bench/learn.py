@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of one seed's row
     arith=(
         "Warm start: 450 labelled sums, 600 supervised steps. RL: GRPO, 16 prompts x 8 samples per step, lr 1e-4, "
-        "async with max_staleness 2 on a local Ray, {seconds:g} s. Control: supervised training on the same 450 demos"
+        "async with max_staleness 2 on a local Ray, {seconds}. Control: supervised training on the same 450 demos"
         " from the same warm start for as long as RL ran. Accuracy: greedy exact match on the 500 held-out sums, mean"
         " of the last 3 evaluations. Bar: RL gain >= +0.40 and control gain <= +0.10 on every seed.",
         lambda r: r['rl_gain'] >= 0.40 and r['control_gain'] <= 0.10,
@@ -29,7 +29,7 @@ RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of 
     shapes=(
         "A tiny Qwen3-VL (text 128 wide, 2 layers; vision tower 32 wide, 2 blocks; 64x64 images as 16 tokens). Warm "
         "start: 600 labelled images, 600 supervised steps. RL: GRPO, 16 images x 8 samples per step, lr 1e-4, async "
-        "with max_staleness 2 on a local Ray, {seconds:g} s. Control: supervised training on the same 600 demos from "
+        "with max_staleness 2 on a local Ray, {seconds}. Control: supervised training on the same 600 demos from "
         "the same warm start for as long as RL ran. Accuracy: greedy exact match on the 300 held-out images, mean of "
         "the last 3 evaluations. Bar: RL ends >= +0.03 above the control on every seed.",
         lambda r: r['rl'] - r['control'] >= 0.03,
@@ -43,6 +43,8 @@ def main():
     p.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
     p.add_argument('--append', default=None)
     args = p.parse_args()
+    # read once, and given to every run: the header states what the runs did even if the recipe is edited meanwhile
+    seconds = load_config(ROOT / 'recipes' / args.recipe).loop.seconds
     rows = []
     for seed in args.seeds:
         run_dir = Path(tempfile.mkdtemp(prefix=f'molt-learn-{seed}-'))
@@ -53,6 +55,7 @@ def main():
                 'train',
                 str(ROOT / 'recipes' / args.recipe),
                 f'loop.seed={seed}',
+                *([f'loop.seconds={seconds!r}'] if seconds is not None else []),
                 f'run_dir="{run_dir}"',
             ],
             check=True,
@@ -76,7 +79,7 @@ def main():
         )
         print(rows[-1], flush=True)
     what, bar = RECIPES[args.recipe]
-    what = what.format(seconds=load_config(ROOT / 'recipes' / args.recipe).loop.seconds)
+    what = what.format(seconds=f'{seconds:g} s' if seconds is not None else 'no time limit')
     ok = all(map(bar, rows))
     lines = [
         f"## learn: {args.recipe}, the main job per seed, RL against a supervised control ({datetime.date.today()})",

@@ -72,7 +72,7 @@ class StepEnvRunner:
             max_context,
         )
         self.observation_role, self.tools, self.template, self.processor = observation_role, tools, template, processor
-        self._prompts = {}  # text -> (its Images, its prompt Segment): a group's rollouts open on one (`_opening`)
+        self._prompts = {}  # text (and its Images' id) -> (Images, prompt Segment): a group opens on one (`_opening`)
 
 # %% ../nbs/05_agents.ipynb #21cde71c
 class RolloutAborted(RuntimeError):
@@ -135,11 +135,13 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
         text, images = self._render(messages, True)
     # the group's other rollouts share its first's segment (segments are never changed in place): `Segment.prompt`'s
     # tensors and checks, each op of which hands the GIL to a busy engine thread, once per group. With images, the
-    # same text and the same processed images (`process_images` memoises them by their contents)
+    # same text and the same processed images (`process_images` memoises them by their contents; the entry holds
+    # them, so their id is not reused while it is kept)
     if (hit := self._prompts.get(text)) is not None and not images:
         return messages, hit[1]
     ids, processed = self._encode(text, images)
-    if hit is not None and hit[0] is processed:
+    key = text if processed is None else (text, id(processed))
+    if (hit := self._prompts.get(key)) is not None and hit[0] is processed:
         return messages, hit[1]
     if len(ids) >= self.max_context:
         held = f" ({int(processed.tokens.sum())} of them for {len(processed)} image(s))" if processed else ''
@@ -148,9 +150,9 @@ def _opening(self: StepEnvRunner, opening, env: str = 'Env') -> tuple:
             "max_context or shorten the task (smaller images take fewer tokens)"
         )
     seg = Segment.prompt(ids, images=processed)
-    if len(self._prompts) >= 64:  # the oldest goes first: a group's rollouts open together
+    if key not in self._prompts and len(self._prompts) >= 64:  # the oldest goes first: a group's rollouts open together
         del self._prompts[next(iter(self._prompts))]
-    self._prompts[text] = (processed, seg)
+    self._prompts[key] = (processed, seg)
     return messages, seg
 
 # %% ../nbs/05_agents.ipynb #52315a87
