@@ -783,8 +783,8 @@ async def _finish(
     end = time.perf_counter()
     row = self._metrics(work, out, pool, end - self._last_end, end - start, report)
     self._last_end = end
-    # off the loop: at the step's boundary the pool most needs the loop to refill the engine (starved idle: 27.5% ->
-    # 23% on arith async, bench/RESULTS.md)
+    # off the loop: at the step's boundary the pool most needs the loop to refill the engine (with the shared prompt
+    # segments of `StepEnvRunner._opening`: arith async 1.05x rollouts/s, starved idle unchanged; bench/RESULTS.md)
     samples = await asyncio.to_thread(
         sample_frame, self.step, work.trajectories, self.samples_tokenizer, out.tokens, out.train_routes
     )
