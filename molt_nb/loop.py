@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EVAL_GRACE_S', 'Collected', 'StepOutput', 'Trainer', 'in_actor', 'node_address', 'TrainerGroup',
-           'check_token_identity', 'StepBoundary', 'Orchestrator', 'evaluate']
+           'check_token_identity', 'StepBoundary', 'Orchestrator', 'eval_rewards', 'evaluate']
 
 # %% ../nbs/21_loop.ipynb #67a8a6d7
 import asyncio, copy, random, threading, time
@@ -473,15 +473,15 @@ class Orchestrator:
         self.engine.close()
 
 # %% ../nbs/21_loop.ipynb #1202f442
-async def evaluate(
+async def eval_rewards(
     runner,
     engine,
     tasks: list,
     sampling: SamplingParams,
     timeout_s: float | None = None,  # a rollout running longer fails
     failures: Failures | None = None,  # where failed rollouts are counted, with their first traceback
-) -> float:
-    "Mean reward of one greedy rollout per task (a rollout that fails scores 0)"
+) -> list:
+    "The reward of one greedy rollout per task, in the tasks' order (a rollout that fails scores 0)"
     greedy = sampling.replace(temperature=0.0)
 
     async def one(i: int, task: dict) -> float:
@@ -492,7 +492,20 @@ async def evaluate(
                 failures.add(reason_of(e), lambda e=e: traceback_of(e), f"eval{i}")
             return 0.0
 
-    return sum(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)])) / max(len(tasks), 1)
+    return list(await asyncio.gather(*[one(i, t) for i, t in enumerate(tasks)]))
+
+
+async def evaluate(
+    runner,
+    engine,
+    tasks: list,
+    sampling: SamplingParams,
+    timeout_s: float | None = None,
+    failures: Failures | None = None,
+) -> float:
+    "Mean reward of one greedy rollout per task (`eval_rewards`)"
+    rewards = await eval_rewards(runner, engine, tasks, sampling, timeout_s, failures)
+    return sum(rewards) / max(len(rewards), 1)
 
 # %% ../nbs/21_loop.ipynb #2b2053b9
 @patch

@@ -4,8 +4,9 @@ green or blue, one per cell of a 4x4 grid; the prompt is the image and a questio
 - `triangles?`: how many triangles (0 to 4), answered with the digit;
 - `largest?`: the colour of the largest shape (sizes differ), answered `red`, `green` or `blue`;
 
-each followed by the end token. Reward 1 for exactly the answer, else 0. 300 held-out tasks (their own seed stream)
-are never trained on.
+each followed by the end token. Reward 1 for exactly the answer, else 0. 2000 held-out tasks (their own seed stream)
+are never trained on: a run evaluates on the first `loop.eval_tasks` of them (300, recipe.toml), and `bench/learn.py`
+compares RL's final policy with the control's on all of them.
 """
 
 import random
@@ -14,7 +15,7 @@ from molt_nb.core import Result
 from molt_nb.vision import draw_shapes
 
 COLOURS = dict(red=(220, 40, 40), green=(40, 170, 40), blue=(40, 70, 220))
-CELL, GRID, HELD_OUT, TRAIN = 16, 4, 300, 20000
+CELL, GRID, HELD_OUT, TRAIN = 16, 4, 2000, 20000
 
 
 def _task(rng: random.Random) -> dict:
@@ -37,7 +38,7 @@ def _task(rng: random.Random) -> dict:
 
 
 def tasks(split: str) -> list:
-    "The tasks of `split`: 'eval' (300 fixed held-out images) or 'train' (20,000 others), in a fixed order"
+    "The tasks of `split`: 'eval' (2000 fixed held-out images) or 'train' (20,000 others), in a fixed order"
     if split not in ('train', 'eval'):
         raise ValueError(f"split is {split!r}, expected 'train' or 'eval'")
     n = HELD_OUT if split == 'eval' else TRAIN
