@@ -100,9 +100,12 @@ nbtest: setup
 NBVAL_KERNELS ?= ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1
 
 # Two workers, one notebook each at a time (--dist loadfile keeps a notebook's cells in order on one kernel): the
-# notebooks mostly wait on imports and kernel starts, so two at once halve the step's time on 2 cores.
+# notebooks mostly wait on imports and kernel starts, so two at once halve the step's time on 2 cores. A kernel
+# start gets 300 s, not nbval's 60: on a clean clone one kernel, alive, had not answered after 60 s (all of
+# 18_recipe's cells errored; the same run passes here in 5 minutes); a kernel that never answers still fails
 nbval: setup
-	$(NBVAL_KERNELS) $(BIN)/python -m pytest -n 2 --dist loadfile --nbval nbs --nbval-sanitize-with nbval_sanitize.cfg -p no:cacheprovider -q
+	$(NBVAL_KERNELS) $(BIN)/python -m pytest -n 2 --dist loadfile --nbval nbs --nbval-sanitize-with nbval_sanitize.cfg \
+		--nbval-kernel-startup-timeout 300 -p no:cacheprovider -q
 
 pytest: setup
 	$(BIN)/python -m pytest tests -p no:cacheprovider --durations=12
