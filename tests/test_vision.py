@@ -382,6 +382,29 @@ def test_molt_nb_train_runs_the_shapes_recipe_end_to_end(tmp_path):
     train_shapes(tmp_path, 'loop.seconds=8', 'rollout.groups_in_flight=8')
 
 
+def test_shapes_rl_asks_triangles_more_often_and_held_out_stays_half_and_half():
+    """The recipe's task mix as a run reads it: RL's unlabelled images ask `triangles?` 3 times in 4, each with the
+    right answer for its question; held-out images and demos ask both questions half and half, as before"""
+    from pathlib import Path
+    from molt_nb.agents import load_module
+    from molt_nb.config import load_config
+
+    recipe = Path(__file__).resolve().parents[1] / 'recipes' / 'shapes'
+    cfg, agent = load_config(recipe), load_module(recipe / 'agent.py')
+    train, even = agent.tasks('train', **cfg.task_options), agent.tasks('train')
+    share = lambda ts: sum(t['question'] == 'triangles' for t in ts) / len(ts)
+    assert abs(share(train) - 0.75) < 0.02 and abs(share(even) - 0.5) < 0.02
+    assert all(a['shapes'] == b['shapes'] for a, b in zip(train, even))  # the same images, other questions
+    for t in train:
+        kinds = [k for k, *_ in t['shapes']]
+        largest = max(t['shapes'], key=lambda x: x[3])[1]
+        assert t['answer'] == (str(kinds.count('triangle')) if t['question'] == 'triangles' else largest)
+    assert agent.tasks('eval', **cfg.task_options) == agent.tasks('eval') and 0.45 < share(agent.tasks('eval')) < 0.55
+    assert 0.4 < sum(p[1].strip() == 'triangles?' for p, _ in agent.demos(200)) / 200 < 0.6
+    with pytest.raises(ValueError, match='from 0 to 1'):
+        agent.tasks('train', triangles=1.5)
+
+
 def test_routing_replay_on_a_moe_vlm():
     "A Qwen3-VL-MoE: the engine reports each token's experts (image tokens too), and the trainer replays them"
     from molt_nb.models import moe_gates

@@ -6,7 +6,9 @@ green or blue, one per cell of a 4x4 grid; the prompt is the image and a questio
 
 each followed by the end token. Reward 1 for exactly the answer, else 0. 2000 held-out tasks (their own seed stream)
 are never trained on: a run evaluates on the first `loop.eval_tasks` of them (300, recipe.toml), and `bench/learn.py`
-compares RL's final policy with the control's on all of them.
+compares RL's final policy with the control's on all of them. Held-out images and the labelled demos ask the two
+questions half and half; RL's unlabelled images may ask `triangles?` more often (`tasks`' `triangles`, set in
+recipe.toml), where the warm start has the most to learn.
 """
 
 import random
@@ -29,20 +31,37 @@ def _task(rng: random.Random) -> dict:
         shapes.append(
             (rng.choice(('square', 'triangle')), rng.choice(list(COLOURS)), (r * CELL + dr, c * CELL + dc), s)
         )
-    question = rng.choice(('triangles', 'largest'))
+    return _ask(dict(shapes=shapes), rng.choice(('triangles', 'largest')))
+
+
+def _ask(task: dict, question: str) -> dict:
+    "`task` asking `question`, with its answer"
+    shapes = task['shapes']
     if question == 'triangles':
         answer = str(sum(k == 'triangle' for k, *_ in shapes))
     else:
         answer = max(shapes, key=lambda x: x[3])[1]
-    return dict(shapes=shapes, question=question, answer=answer)
+    return dict(task, question=question, answer=answer)
 
 
-def tasks(split: str) -> list:
-    "The tasks of `split`: 'eval' (2000 fixed held-out images) or 'train' (20,000 others), in a fixed order"
+def tasks(split: str, triangles: float = 0.5) -> list:
+    """The tasks of `split`: 'eval' (2000 fixed held-out images, half of them asking `triangles?`) or 'train' (20,000
+    others), in a fixed order. `triangles`: the share of the train split's images that ask `triangles?`; each image of
+    it asks the question `_task` drew, switched to the other on a stream of its own as far as that share needs"""
     if split not in ('train', 'eval'):
         raise ValueError(f"split is {split!r}, expected 'train' or 'eval'")
+    if not 0 <= triangles <= 1:
+        raise ValueError(f"triangles is {triangles!r}: give the share of 'triangles?' questions, from 0 to 1")
     n = HELD_OUT if split == 'eval' else TRAIN
-    return [_task(random.Random(f"shapes-{split}-{i}")) for i in range(n)]
+    out = [_task(random.Random(f"shapes-{split}-{i}")) for i in range(n)]
+    if split == 'eval':
+        return out
+    switch = random.Random("shapes-flip")
+    for i, t in enumerate(out):
+        other, rate = ('triangles', 2 * triangles - 1) if t['question'] == 'largest' else ('largest', 1 - 2 * triangles)
+        if rate > 0 and switch.random() < rate:
+            out[i] = _ask(t, other)
+    return out
 
 
 def image(task: dict):
