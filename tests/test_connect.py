@@ -6,6 +6,7 @@ import contextlib, json, os, subprocess, sys, tempfile, textwrap, uuid
 from pathlib import Path
 import psutil, pytest
 from test_controller import RAY, ROOT, free_port, session_processes, stop_session
+from molt_nb.controller import CLIENT_START_FAILED
 
 
 @contextlib.contextmanager
@@ -78,8 +79,6 @@ def head(tmp_path_factory):
 # connect is timed against Ray's own, measured on the same head just before: what connect adds must stay under half
 # the 30 s channel timeout that a missing token or a lost server costs
 SLACK = 15
-# what Ray's errors say when its proxy failed to start a client's server, which connect retries
-RETRIED = ('Starting Ray client server failed', 'start_specific_server')
 
 
 def ray_floor(address: str, token: str, home: Path) -> float:
@@ -96,7 +95,7 @@ def ray_floor(address: str, token: str, home: Path) -> float:
             ray.init({address!r}, logging_level='ERROR', log_to_driver=False)
             break
         except ConnectionAbortedError as e:
-            if attempt == 2 or not any(m in str(e) for m in {RETRIED!r}):
+            if attempt == 2 or not any(m in str(e) for m in {CLIENT_START_FAILED!r}):
                 raise
             ray.shutdown()
             time.sleep(2)
