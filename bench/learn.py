@@ -36,11 +36,12 @@ RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of 
     ),
     shapes=(
         "A tiny Qwen3-VL (text 128 wide, 2 layers; vision tower 32 wide, 2 blocks; 64x64 images as 16 tokens). Warm "
-        "start: 600 labelled images, 600 supervised steps. RL: GRPO, 16 images x 8 samples per step, lr 1e-4, async "
-        "with max_staleness 2 on a local Ray, {seconds}. Control: supervised training on the same 600 demos from "
-        "the same warm start for as long as RL ran. Accuracy: greedy exact match on the first 300 held-out images, mean"
-        " of the last 3 evaluations; the final policies on all 2000. Bar: RL's final policy beats the control's by "
-        "more than 2 standard errors (paired, 2000 images) on every seed.",
+        "start: 600 labelled images, 600 supervised steps. RL: GRPO on unlabelled images, {triangles:.0%} of them "
+        "asking `triangles?` (held-out and demos: half), 16 images x 8 samples per step, lr 1e-4, async with "
+        "max_staleness 2 on a local Ray, {seconds}. Control: supervised training on the same 600 demos from the same "
+        "warm start for as long as RL ran. Accuracy: greedy exact match on the first 300 held-out images, mean of the"
+        " last 3 evaluations; the final policies on all 2000. Bar: RL's final policy beats the control's by more than"
+        " 2 standard errors (paired, 2000 images) on every seed.",
         lambda r: r['diff'] > 2 * r['se'],
     ),
 )
@@ -79,7 +80,8 @@ def main():
     p.add_argument('--append', default=None)
     args = p.parse_args()
     # read once, and given to every run: the header states what the runs did even if the recipe is edited meanwhile
-    seconds = load_config(ROOT / 'recipes' / args.recipe).loop.seconds
+    recipe = load_config(ROOT / 'recipes' / args.recipe)
+    seconds = recipe.loop.seconds
     rows = []
     for seed in args.seeds:
         run_dir = Path(tempfile.mkdtemp(prefix=f'molt-learn-{seed}-'))
@@ -115,7 +117,10 @@ def main():
         rows[-1] |= finals(args.recipe, seed, run_dir)
         print(rows[-1], flush=True)
     what, bar = RECIPES[args.recipe]
-    what = what.format(seconds=f'{seconds:g} s' if seconds is not None else 'no time limit')
+    what = what.format(
+        seconds=f'{seconds:g} s' if seconds is not None else 'no time limit',
+        triangles=recipe.task_options.get('triangles', 0.5),
+    )
     ok = all(map(bar, rows))
     lines = [
         f"## learn: {args.recipe}, the main job per seed, RL against a supervised control ({datetime.date.today()})",
