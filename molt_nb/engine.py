@@ -136,6 +136,25 @@ class _Request:
         except RuntimeError:
             pass  # the caller's loop is closed: nobody is waiting, and the engine must live on
 
+
+def _resolve_all(finished: list):
+    """Complete the futures of `finished` (request, Generation) pairs: one call into each caller's loop, not one per
+    request (each call writes to that loop's wake-up pipe, and a group's 8 rollouts finish together)"""
+    by_loop = {}
+    for req, gen in finished:
+        by_loop.setdefault(req.loop, []).append((req.future, gen))
+
+    def done(pairs):
+        for future, gen in pairs:
+            if not future.done():
+                future.set_result(gen)
+
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(done, pairs)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is waiting, and the engine must live on
+
 # %% ../nbs/03_engine.ipynb #be15b6d1
 def _check_int(name: str, value, low: int | None, fix: str):
     "Raise unless `value` is an int (not a bool) of at least `low` (None: any int)."
@@ -236,6 +255,10 @@ class TorchEngine:
             gate.register_forward_hook(lambda mod, inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._cv, self._pending, self._commands = threading.Condition(), [], []
         self._positions_memo = Memo()  # a VLM prompt's check and positions (`_positions`)
+        self._last = (
+            (None, None, None),
+            (None, None),
+        )  # the last (prompt tensor, version, checked) and (sampling, bound) `generate` took
         self._reqs, self._rows, self._cache, self._paused, self._closed, self._drains = [], None, None, False, False, []
         self._stale = False  # weights were loaded since the running rows' cache was computed (see `load_weights`)
         self._cdf = None  # float64 running sums of `inverse_cdf`, kept across steps (see `_scratch`)
@@ -287,8 +310,7 @@ async def generate(
     images: Images | None = None,  # a VLM's images, whose placeholders `token_ids` holds (expanded, in order)
 ) -> Generation:
     "Sample a continuation of `token_ids`."
-    sampling = self._bindable(sampling or SamplingParams())
-    prompt = check_prompt(token_ids, self.vocab_size, self.max_model_len)
+    prompt, sampling = self._checked(token_ids, sampling or SamplingParams())
     room = self.max_model_len - len(prompt)
     loop = asyncio.get_running_loop()
     req = _Request(prompt, sampling, min(sampling.max_tokens, room), 0, loop.create_future(), loop)
@@ -303,6 +325,29 @@ async def generate(
         self._pending.append(req)
         self._cv.notify()
     return await req.future
+
+
+def _version_of(t) -> int | None:
+    "A tensor's in-place version counter (None: not a tensor, or an inference tensor, which has none)"
+    try:
+        return t._version if isinstance(t, torch.Tensor) else None
+    except RuntimeError:
+        return None
+
+
+@patch
+def _checked(self: TorchEngine, token_ids, sampling: SamplingParams) -> tuple:
+    """`check_prompt` and `_bindable`, done again only for another prompt or sampling than the last call's: a group's
+    rollouts send the same prompt tensor and sampling one after the other (a prompt changed in place since, its version
+    counter moved, is checked again)"""
+    (last, version, prompt), (sp, bound) = self._last  # one read: callers on two threads each see a whole pair
+    now = _version_of(token_ids)
+    if token_ids is not last or now is None or now != version:
+        prompt = check_prompt(token_ids, self.vocab_size, self.max_model_len)
+    if sampling is not sp:
+        bound = self._bindable(sampling)
+    self._last = (token_ids, now, prompt), (sampling, bound)
+    return prompt, bound
 
 
 @patch
@@ -571,9 +616,8 @@ def _routes(self: TorchEngine, rows, cols):
 def _new_rows(self: TorchEngine, reqs, pos):
     "Fresh `_Rows` for admitted requests."
     S, M, sp = len(reqs), max(r.max_new for r in reqs), [r.sampling for r in reqs]
-    stop = torch.full((S, max([len(s.stop_token_ids) for s in sp] + [1])), -1)
-    for i, s in enumerate(sp):
-        stop[i, : len(s.stop_token_ids)] = torch.tensor(s.stop_token_ids, dtype=torch.long)
+    width = max([len(s.stop_token_ids) for s in sp] + [1])
+    stop = torch.tensor([[*s.stop_token_ids, *[-1] * (width - len(s.stop_token_ids))] for s in sp], dtype=torch.long)
     keys = torch.tensor([r.key for r in reqs])[:, None].expand(S, M)
     rows = _Rows(
         uniform=counter_uniform(keys.flatten(), torch.arange(M).repeat(S)).view(S, M),
@@ -633,8 +677,7 @@ def _admit(self: TorchEngine, reqs) -> list:
         rows, cache = rows.take(keep), cache.take(keep)
     self.stats["prefills"] += 1
     self.stats["requests"] += len(reqs)
-    for req, gen in finished:
-        req.resolve(gen)
+    _resolve_all(finished)
     return [([reqs[i] for i in keep.tolist()], rows, cache)] if len(keep) else []
 
 
@@ -772,8 +815,7 @@ def _finish(self: TorchEngine, done, stopped):
         self._flags = self._rows.flags(self.vocab_size)
     else:
         self._cache, self._rows = None, None
-    for req, gen in finished:
-        req.resolve(gen)
+    _resolve_all(finished)
 
 
 @patch
@@ -781,8 +823,7 @@ def _abort(self: TorchEngine):
     "Finish every running and queued request now with reason 'abort' (partial tokens kept)."
     if self._reqs:
         n = len(self._reqs)
-        for req, gen in self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n):
-            req.resolve(gen)
+        _resolve_all(self._results(self._rows, self._reqs, list(range(n)), ["abort"] * n))
     with self._cv:
         pending, self._pending = self._pending, []
     empty = lambda dt: torch.zeros(0, dtype=dt)
