@@ -784,17 +784,20 @@ def _sample(self: TorchEngine, logits, rows: _Rows, reqs: list, flags: tuple) ->
 # %% ../nbs/03_engine.ipynb #54a978f0
 @patch
 def _results(self: TorchEngine, rows: _Rows, reqs: list, idx: list, reasons: list) -> list:
-    "(request, Generation) of rows `idx` of `rows` (one gather per field, then views per row)."
-    i = torch.tensor(idx, dtype=torch.long, device=self.device)  # one gather and one host copy per field
-    tokens, logprobs, versions = rows.tokens[i].cpu(), rows.logprobs[i].cpu(), rows.versions[i].cpu()
-    routes = rows.routes[i].cpu() if self._route_shape else None
-    out = []
-    for j, (k, n) in enumerate(zip(idx, rows.count[i].tolist())):
-        req = reqs[k]
-        route = torch.cat([req.routes, routes[j, :n]]) if routes is not None else None
-        out.append(
-            (req, Generation(tokens[j, :n], logprobs[j, :n], versions[j, :n], route, reasons[j], len(req.prompt)))
-        )
+    """(request, Generation) of rows `idx` of `rows`: the rows of one length are taken together (one gather, host copy
+    and unbind per field), so no tensor op runs per row (each would hand the GIL to the agents' loop)"""
+    counts = rows.count[torch.tensor(idx, dtype=torch.long, device=self.device)].tolist()
+    fields = (rows.tokens, rows.logprobs, rows.versions) + ((rows.routes,) if self._route_shape else ())
+    by_length, out = {}, [None] * len(idx)
+    for j, n in enumerate(counts):
+        by_length.setdefault(n, []).append(j)
+    for n, js in by_length.items():
+        i = torch.tensor([idx[j] for j in js], dtype=torch.long, device=self.device)
+        tokens, logprobs, versions, *routes = (f[i, :n].cpu().unbind(0) for f in fields)
+        for t, j in enumerate(js):
+            req = reqs[idx[j]]
+            route = torch.cat([req.routes, routes[0][t]]) if routes else None
+            out[j] = req, Generation(tokens[t], logprobs[t], versions[t], route, reasons[j], len(req.prompt))
     return out
 
 

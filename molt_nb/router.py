@@ -223,7 +223,7 @@ class Router:
 @patch
 def serving(self: Router) -> bool:
     "Whether a live engine has the run's weights (a replacement has them once `apply` loaded it)"
-    return any(a and r for a, r in zip(self.alive, self.ready))
+    return any(map(all, zip(self.alive, self.ready)))  # no Python frame per slot: it runs for every request
 
 
 @patch
