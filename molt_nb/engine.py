@@ -340,6 +340,8 @@ def _checked(self: TorchEngine, token_ids, sampling: SamplingParams) -> tuple:
     """`check_prompt` and `_bindable`, done again only for another prompt or sampling than the last call's: a group's
     rollouts send the same prompt tensor and sampling one after the other (a prompt changed in place since, its version
     counter moved, is checked again)"""
+    # a write the version counter does not see (through `.data`, or a NumPy array sharing the memory) is not checked
+    # again: segments are never changed in place, and a prompt to reuse after such a write must be a new tensor
     (last, version, prompt), (sp, bound) = self._last  # one read: callers on two threads each see a whole pair
     now = _version_of(token_ids)
     if token_ids is not last or now is None or now != version:
@@ -784,16 +786,18 @@ def _sample(self: TorchEngine, logits, rows: _Rows, reqs: list, flags: tuple) ->
 # %% ../nbs/03_engine.ipynb #54a978f0
 @patch
 def _results(self: TorchEngine, rows: _Rows, reqs: list, idx: list, reasons: list) -> list:
-    """(request, Generation) of rows `idx` of `rows`: the rows of one length are taken together (one gather, host copy
-    and unbind per field), so no tensor op runs per row (each would hand the GIL to the agents' loop)"""
-    counts = rows.count[torch.tensor(idx, dtype=torch.long, device=self.device)].tolist()
+    """(request, Generation) of rows `idx` of `rows`: one gather and host copy per field (one device sync), then the
+    rows of one length together (an index and an unbind per field on the host), so no tensor op runs per row (each
+    would hand the GIL to the agents' loop)"""
+    i = torch.tensor(idx, dtype=torch.long, device=self.device)  # one gather and one host copy per field
     fields = (rows.tokens, rows.logprobs, rows.versions) + ((rows.routes,) if self._route_shape else ())
+    counts, host = rows.count[i].tolist(), [f[i].cpu() for f in fields]
     by_length, out = {}, [None] * len(idx)
     for j, n in enumerate(counts):
         by_length.setdefault(n, []).append(j)
     for n, js in by_length.items():
-        i = torch.tensor([idx[j] for j in js], dtype=torch.long, device=self.device)
-        tokens, logprobs, versions, *routes = (f[i, :n].cpu().unbind(0) for f in fields)
+        sel = slice(None) if len(js) == len(idx) else torch.tensor(js)
+        tokens, logprobs, versions, *routes = (h[sel, :n].unbind(0) for h in host)
         for t, j in enumerate(js):
             req = reqs[idx[j]]
             route = torch.cat([req.routes, routes[0][t]]) if routes else None
