@@ -242,8 +242,8 @@ class TorchEngine:
         self._vision, banned = is_vision(model), vision_ids(model)
         self._banned = torch.tensor(banned, device=self.device) if banned else None
         self.stats = dict(
-            steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0
-        )  # busy_s: seconds spent computing (idle = wall - busy)
+            steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0, sync_s=0.0
+        )  # busy_s: seconds spent computing (idle = wall - busy); sync_s: idle while paused (`_next_work`)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
         self._fast = Qwen3Decoder(model, self.max_model_len) if qwen3_decodable(model) else None
         # the cache's keyword: `cache` since transformers 5.18, `past_key_values` before (which 5.17 would swallow
@@ -489,7 +489,10 @@ def _next_work(self: TorchEngine):
     "Block until there is something to do; return the queued commands, or None to exit."
     with self._cv:
         while not (self._closed or self._commands or (not self._paused and (self._pending or self._reqs))):
+            paused, since = self._paused, time.perf_counter()  # only this thread changes `_paused`
             self._cv.wait()
+            if paused:  # idle for a sync (a drain done, a load, `pause`), whether or not requests are queued
+                self.stats["sync_s"] += time.perf_counter() - since
         if self._closed:
             return None
         commands, self._commands = self._commands, []

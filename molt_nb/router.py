@@ -197,11 +197,12 @@ class Router:
         self.sessions, self.max_sessions = collections.OrderedDict(), sessions
         self.counters = collections.Counter(deaths=0, failed_requests=0, restarts=0)
         self.busy = [0.0] * engines  # each slot's busy seconds, summed over its incarnations (`refresh`)
-        self._seen = [0.0] * engines  # the busy seconds each slot's current incarnation last reported
+        self._seen = [{} for _ in range(engines)]  # the clocks (busy_s, sync_s) each slot's incarnation last reported
         self.stats = dict(busy_s=0.0)  # mean busy seconds over the slots, as a single engine's `stats`
         self.routed = [0] * engines  # requests sent to each slot
         # engine idle by cause (`step_metrics`): seconds each slot waited while the pool held back, or in a sync
         self.backpressure, self.sync = [0.0] * engines, [0.0] * engines
+        self.timed = [False] * engines  # the slot's engine reports its own sync idle (`stats['sync_s']`, `refresh`)
         self.held = False  # the pool runs no group: every place in flight holds a finished one (`hold`)
         self.paused = self.drained = False  # from `pause` to `resume`; every engine has stopped (drained)
         self.clock = time.perf_counter  # what idle time is measured with
@@ -292,11 +293,12 @@ def _dead(self: Router, i: int, incarnation: int):
 @patch
 def _tick(self: Router):
     """Charge the time since the last tick to each live slot's idle clocks: `sync` from the pause on (while a drain
-    runs, only for a slot with no request left to finish), `backpressure` while the pool holds back"""
+    runs, only for a slot with no request left to finish; not for an engine that times its own, `refresh`),
+    `backpressure` while the pool holds back"""
     now = self.clock()
     dt, self._ticked = now - self._ticked, now
     for i, alive in enumerate(self.alive):
-        if not alive:
+        if not alive or (self.paused and self.timed[i]):
             continue
         if self.drained or (self.paused and not self.inflight[i]):
             self.sync[i] += dt
@@ -426,7 +428,7 @@ async def revive(self: Router) -> list:
 
             ray.kill(self.engines[i])
         self.incarnation[i] += 1
-        self.engines[i], self._seen[i] = self.make_engine(i, self.incarnation[i]), 0.0
+        self.engines[i], self._seen[i] = self.make_engine(i, self.incarnation[i]), {}
         self.alive[i], self.ready[i] = True, False
         self.counters['restarts'] += 1
         self.sessions = collections.OrderedDict((s, j) for s, j in self.sessions.items() if j != i)
@@ -442,11 +444,16 @@ async def revive(self: Router) -> list:
 
 @patch
 async def refresh(self: Router) -> dict:
-    "Read every engine's stats; `stats['busy_s']` becomes the mean over the slots; each slot's stats"
+    """Read every engine's stats; `stats['busy_s']` becomes the mean over the slots; each slot's stats. An engine that
+    reports `sync_s` (a `TorchEngine`: its idle while paused) times its own sync idle; it is exact where the pause's
+    ticks are not: requests sent during a pause queue at the engine, and the ticks count no sync while they wait"""
     out = dict(await self.each('stats'))
     for i, s in out.items():
-        self.busy[i] += max(s['busy_s'] - self._seen[i], 0.0)
-        self._seen[i] = s['busy_s']
+        for key, clock in (('busy_s', self.busy), ('sync_s', self.sync)):
+            if key in s:
+                clock[i] += max(s[key] - self._seen[i].get(key, 0.0), 0.0)
+                self._seen[i][key] = s[key]
+        self.timed[i] = 'sync_s' in s
     self.stats['busy_s'] = sum(self.busy) / len(self.busy)
     return out
 
