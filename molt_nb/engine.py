@@ -121,33 +121,25 @@ class _Request:
     next_pos: int = 0  # a VLM's position of the first sampled token
 
     def resolve(self, value=None, error=None):
-        "Complete the caller's future from the engine thread."
-
-        def done():
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            else:
-                self.future.set_result(value)
-
-        try:
-            self.loop.call_soon_threadsafe(done)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is waiting, and the engine must live on
+        "Complete the caller's future from the engine thread: with `value`, or raising `error`"
+        _resolve_all([(self, value if error is None else error)])
 
 
 def _resolve_all(finished: list):
-    """Complete the futures of `finished` (request, Generation) pairs: one call into each caller's loop, not one per
-    request (each call writes to that loop's wake-up pipe, and a group's 8 rollouts finish together)"""
+    """Complete the futures of `finished` (request, Generation or exception) pairs: one call into each caller's loop,
+    not one per request (each call writes to that loop's wake-up pipe, and a group's 8 rollouts finish together)"""
     by_loop = {}
-    for req, gen in finished:
-        by_loop.setdefault(req.loop, []).append((req.future, gen))
+    for req, out in finished:
+        by_loop.setdefault(req.loop, []).append((req.future, out))
 
     def done(pairs):
-        for future, gen in pairs:
-            if not future.done():
-                future.set_result(gen)
+        for future, out in pairs:
+            if future.done():
+                continue
+            if isinstance(out, BaseException):
+                future.set_exception(out)
+            else:
+                future.set_result(out)
 
     for loop, pairs in by_loop.items():
         try:
