@@ -145,6 +145,15 @@ def attempt(*args, **kw):
 '''
 
 
+def timed(run, limit: float) -> dict:
+    """`run()`'s connect attempt, made once more if it worked but took `limit` seconds or more: a head's proxy now and
+    then loses the server it starts for a client and waits out its 30 s channel timeout (Ray's side, as in `head`; seen
+    once in CI on a later client: 52.6 s against a 23.2 s limit, and the same file passed 10 of 10 when rerun). A
+    connect that is slow every time, or fails, still fails the test"""
+    out = run()
+    return run() if out.get('answer') == 42 and out['seconds'] >= limit else out
+
+
 def test_head_listens_on_loopback_only(head):
     "What the docs promise for a one-machine head: no port of the session is reachable from outside"
     listening = []
@@ -158,7 +167,7 @@ def test_head_listens_on_loopback_only(head):
 
 def test_fresh_kernel_connects_with_address_and_token(head, tmp_path):
     address, token, _, limit = head
-    out = kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path)
+    out = timed(lambda: kernel(f"print(json.dumps(attempt({address!r}, token={token!r})))", tmp_path), limit)
     assert out.get('answer') == 42, out
     assert out['seconds'] < limit, (out, limit)
     assert out['env_kept'], out  # the token passed to connect() is not left in os.environ
@@ -175,7 +184,7 @@ def test_connects_after_ray_was_imported_and_read_a_stale_token(head, tmp_path):
     assert AuthenticationTokenLoader.instance().get_raw_token(ignore_auth_mode=True).startswith('stale')
     print(json.dumps(attempt({address!r}, token={token!r})))
     '''
-    out = kernel(code, tmp_path)
+    out = timed(lambda: kernel(code, tmp_path), limit)
     assert out.get('answer') == 42, out
     assert out['seconds'] < limit, (out, limit)
 
@@ -193,7 +202,7 @@ def test_token_from_the_environment_or_a_file(head, tmp_path, where):
         (home / '.ray').mkdir(parents=True)
         (home / '.ray' / 'auth_token').write_text(token)
         env = {}
-    out = kernel(f"print(json.dumps(attempt({address!r})))", home, **env)
+    out = timed(lambda: kernel(f"print(json.dumps(attempt({address!r})))", home, **env), limit)
     assert out.get('answer') == 42, out
     assert out['seconds'] < limit, (out, limit)
 
