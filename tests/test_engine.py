@@ -181,11 +181,12 @@ def test_a_failing_admit_fails_only_its_request():
         late = [asyncio.create_task(engine.generate(p, short)) for p in ([4, 5], bad, [6])]
         await asyncio.sleep(0.02)
         await engine.resume()
-        return await asyncio.gather(*running, *late, return_exceptions=True)
+        out = await asyncio.gather(*running, *late, return_exceptions=True)
+        return out, late[1].exception()  # None had the error come back as a result, not raised
 
-    out = asyncio.run(go())
+    out, raised = asyncio.run(go())
     engine.close()
-    assert isinstance(out[4], MemoryError)
+    assert isinstance(raised, MemoryError) and out[4] is raised, (raised, out[4])
     assert [len(g) for i, g in enumerate(out) if i != 4] == [200, 200, 200, 10, 10]
     assert prefills[-4:] == [3, 1, 1, 1]  # the late batch, then its requests one by one
 
