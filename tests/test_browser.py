@@ -142,6 +142,9 @@ def hex_rgb(h: str) -> tuple:
 
 
 CHIPS = "els => els.map(e => [getComputedStyle(e).backgroundColor, Number(e.dataset.logRatio)])"
+# scrolled to inside the page: Playwright's scroll_into_view_if_needed holds a handle, and the view's redraw every
+# refresh detaches it ("Element is not attached to the DOM"), which failed CI once
+SCROLL = "els => { if (els.length) els[0].scrollIntoView({block: 'nearest'}) }"
 
 
 def chips(loc, tries: int = 20) -> list:
@@ -149,7 +152,7 @@ def chips(loc, tries: int = 20) -> list:
     the view redraws as the run steps, and an element not drawn yet (scrolled out of JupyterLab's window) has no
     computed style"""
     for _ in range(tries):
-        loc.first.scroll_into_view_if_needed()
+        loc.evaluate_all(SCROLL)
         got = loc.evaluate_all(CHIPS)
         if got and all(c for c, _ in got):
             return got
