@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMATS', 'METRIC_KEYS', 'lr_factor', 'DataParallel', 'join_group', 'leave_group', 'shard_model',
-           'Backend', 'TorchBackend', 'FSDP2Backend', 'StepResult', 'PolicyActor', 'BackwardError', 'latest_checkpoint',
-           'tied_names', 'rng_states', 'checkpoint_dir', 'trainer_state']
+           'Backend', 'TorchBackend', 'FSDP2Backend', 'StepResult', 'PolicyActor', 'prefix_plan', 'cache_keyword',
+           'shared_prefix_logprobs', 'BackwardError', 'latest_checkpoint', 'tied_names', 'rng_states', 'checkpoint_dir',
+           'trainer_state']
 
 # %% ../nbs/15_actor.ipynb #6b2a71de
-import json, math, os, random, shutil, uuid
+import inspect, json, math, os, random, shutil, uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -215,6 +216,7 @@ class PolicyActor:
         device='cpu',  # where the model, its optimizer state and the micro-batches live ('cuda' on a GPU)
         backend: Backend | None = None,  # where the model trains: `TorchBackend()` (the default), `FSDP2Backend`, ...
         dp: DataParallel | None = None,  # shorthand for backend=FSDP2Backend(dp)
+        shared_prefix: bool = True,  # rows sharing a prompt compute it once, in one process (`shared_prefix_logprobs`)
     ):
         if not temperature > 0:
             raise ValueError(
@@ -240,7 +242,9 @@ class PolicyActor:
             optim,
             micro_batch_rows,
         )
-        self.temperature = temperature
+        # FSDP2 frees a layer's gathered weights after each forward: a second forward before the backward (the rows'
+        # tails after their prompts') leaves the first one's graph without them, so a sharded policy scores rows whole
+        self.temperature, self.shared_prefix = temperature, shared_prefix and type(self.backend) is TorchBackend
         self.ref_model, self.teacher = [
             m.to(self.device).eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)
         ]
@@ -257,16 +261,96 @@ class PolicyActor:
         # run; False raises FloatingPointError instead (the controller does, to blame a swapped loss or estimator)
         self.skip_nonfinite = True
 
+# %% ../nbs/15_actor.ipynb #7bc64d1b
+def prefix_plan(
+    mb: Batch,
+    at_most: float = 0.75,  # share only when it computes at most this share of the whole rows' token positions
+    min_saved: int = 128,  # and saves at least this many (a second forward's cost: even at about 100 on a CPU)
+) -> tuple | None:
+    """(row -> index of its distinct prefix, prefix lengths, row lengths) for scoring `mb` with each distinct prefix
+    computed once, or None when that saves too little. A row's prefix: its tokens before the position that scores its
+    first action (all but the last token of a row without one)"""
+    B, T = mb.input_ids.shape
+    lengths = mb.attention_mask.sum(1)
+    L = torch.where(mb.action_mask.any(1), mb.action_mask.int().argmax(1), lengths - 1)
+    if B < 2 or bool((L < 1).any()):
+        return None
+    ids, seen = mb.input_ids.cpu(), {}
+    index = [seen.setdefault(ids[i, :n].numpy().tobytes(), len(seen)) for i, n in enumerate(L.tolist())]
+    shared = len(seen) * int(L.max()) + B * int((lengths - L).max())  # token positions of the prefixes and the tails
+    if len(seen) == B or shared > at_most * B * T or B * T - shared < min_saved:
+        return None
+    return torch.tensor(index, device=L.device), L, lengths
+
+
+def cache_keyword(model) -> str | None:
+    """The keyword `model`'s forward takes a KV cache by (`cache` since transformers 5.18, `past_key_values` before),
+    or None when it cannot score a row's tail against a cache (no cache, `position_ids` or `logits_to_keep`, or
+    gradient checkpointing, which turns the cache off)"""
+    takes = inspect.signature(model.forward).parameters
+    # `is_activation_checkpointing` since transformers 5.2x (the old name warns), `is_gradient_checkpointing` before
+    names = [k for k in ('is_activation_checkpointing', 'is_gradient_checkpointing') if hasattr(type(model), k)]
+    if (names and getattr(model, names[0])) or not {'position_ids', 'logits_to_keep'} <= set(takes):
+        return None
+    return next((k for k in ('cache', 'past_key_values') if k in takes), None)
+
+
+def shared_prefix_logprobs(
+    model,
+    mb: Batch,
+    temperature: float = 1.0,
+    **plan,  # `prefix_plan`'s at_most and min_saved
+) -> Tensor | None:
+    """(B, T-1) logprobs of `mb`'s next tokens with each distinct prefix (`prefix_plan`) computed once, exact on every
+    position from a row's first action on and 0 before; None when the plan or the model does not allow it"""
+    from transformers import DynamicCache
+
+    plan, kw = prefix_plan(mb, **plan), cache_keyword(model)
+    if plan is None or kw is None:
+        return None
+    index, L, lengths = plan
+    (B, T), dev, P = mb.input_ids.shape, mb.input_ids.device, int(L.max())
+    first = torch.zeros(int(index.max()) + 1, dtype=torch.long, device=dev).scatter_(
+        0, index, torch.arange(B, device=dev)
+    )  # a row holding each prefix
+    pmask = torch.arange(P, device=dev) < L[first][:, None]
+    cache = DynamicCache()
+    model(
+        input_ids=mb.input_ids[first, :P] * pmask, attention_mask=pmask, use_cache=True, logits_to_keep=1, **{kw: cache}
+    )
+    if cache.get_seq_length() != P:  # the model kept no cache of ours: score the rows whole
+        return None
+    cache.batch_select_indices(index)
+    pos = L[:, None] + torch.arange(int((lengths - L).max()), device=dev)  # each row's positions from its prefix on
+    tail = pos < lengths[:, None]
+    logits = model(
+        input_ids=mb.input_ids.gather(1, pos.clamp(max=T - 1)) * tail,
+        attention_mask=torch.cat([pmask[index], tail], 1),
+        position_ids=pos.clamp(max=T - 1),  # a tail's padding: within the rows' positions
+        use_cache=True,
+        **{kw: cache},
+    ).logits
+    targets = mb.input_ids.gather(1, (pos + 1).clamp(max=T - 1))
+    lp = -F.cross_entropy((logits.float() / temperature).transpose(1, 2), targets, reduction='none')
+    lp = torch.where(pos + 1 < lengths[:, None], lp, 0.0)
+    # position t of the result scores token t+1: each row's tail goes to its own columns (the tail's padding past T-1)
+    return torch.zeros(B, T - 1 + pos.shape[1], device=dev).scatter(1, pos, lp)[:, : T - 1]
+
 # %% ../nbs/15_actor.ipynb #42e173df
 @patch
 def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
-    """(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled); the policy replays
-    `mb.routes`"""
+    """(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled), exact on action tokens
+    (elsewhere 0 when rows shared their prompt's forward); the policy replays `mb.routes`"""
     # a vision-language model reads each row's images and 3D positions, and scores without its vision tokens as the
     # engine sampled without them
     vision = is_vision(model)
+    replay = model is self.model and self.router is not None
+    if self.shared_prefix and not vision and not replay:  # routing replay and images need the rows whole
+        lp = shared_prefix_logprobs(model, mb, self.temperature)
+        if lp is not None:
+            return lp
     kw = vision_inputs(mb.input_ids, mb.attention_mask.sum(1), mb.images or [None] * len(mb)) if vision else {}
-    if model is self.model and self.router is not None:
+    if replay:
         with self.router.replaying(mb.routes, mb.attention_mask):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits[:, :-1]
     else:

@@ -82,6 +82,7 @@ class Trainer:
             temperature=cfg.rollout.temperature,  # the trainer scores tokens at the temperature they were sampled at
             device=cfg.cluster.device,  # on a GPU actor, the GPU Ray gave it (the only one it sees)
             backend=backend,
+            shared_prefix=cfg.train.shared_prefix,
         )
 
     def _backend(self, dp) -> tuple:

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
-from molt_nb.actor import DataParallel, FSDP2Backend, PolicyActor, join_group, leave_group
+from molt_nb.actor import DataParallel, FSDP2Backend, PolicyActor, join_group, leave_group, prefix_plan
 from molt_nb.config import AlgoConfig, OptimConfig
-from molt_nb.core import collate
+from molt_nb.core import Batch, collate
 from molt_nb.golden import golden_trajectories
 from molt_nb.models import build_tokenizer, tiny_dense, tiny_moe
 
@@ -28,6 +28,30 @@ TIED = {'lm_head.weight'}  # the tiny models' second name of model.embed_tokens.
 def golden_batch():
     "14 rows, 9 live under GRPO + PPO: 5 on rank 0 (3 micro-batches of 2), 4 on rank 1 (2, then an empty one)"
     return collate(golden_trajectories())
+
+
+def shared_batch() -> Batch:
+    """2 prompts of 24 tokens x 8 completions of 8, rewards alternating: each rank's micro-batch holds 4 rows of each
+    prompt, enough for the default plan to score each prompt once (two forwards before one backward under FSDP2)"""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 250, (2, 1, 24), generator=g).expand(2, 8, 24)
+    ids = torch.cat([prompts, torch.randint(1, 250, (2, 8, 8), generator=g)], -1).reshape(16, 32)
+    action = torch.zeros(16, 31, dtype=torch.bool)
+    action[:, 23:] = True
+    return Batch(
+        input_ids=ids,
+        attention_mask=torch.ones(16, 32, dtype=torch.bool),
+        action_mask=action,
+        logprobs=torch.full((16, 31), -5.0) * action,
+        versions=torch.full((16, 31), 5, dtype=torch.int32) * action,
+        rewards=(torch.arange(16) % 2).float(),
+        scores=(torch.arange(16) % 2).float(),
+        prompt_index=torch.arange(16) // 8,
+        segment_index=torch.zeros(16, dtype=torch.long),
+        truncated=torch.zeros(16, dtype=torch.bool),
+        rollout_ids=[f"r{i}" for i in range(16)],
+        group_ids=[f"g{i // 8}" for i in range(16)],
+    )
 
 
 def make_actor(kind: str, dp=None, **backend) -> PolicyActor:
@@ -91,6 +115,12 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     out['step2_resumed'], out['weights2_resumed'] = summary(b.train_step(batch)), named(b)
     out['dcp'] = run_dcp(kind, dp, root / f"{kind}-dcp")
     out['bf16'] = run_bf16(kind, dp)
+    if kind == 'dense':  # MoE policies replay routes, scoring rows whole
+        a, batch = make_actor(kind, dp), shared_batch()
+        a.micro_batch_rows = 8
+        rows = a._micro_batches(batch)[0]
+        out['shared_plan'], out['shares'] = prefix_plan(batch.select(rows)) is not None, a.shared_prefix
+        out['shared_grads'] = full_grads(a, batch)
     return out
 
 
@@ -171,6 +201,9 @@ def single():
         grads = full_grads(a, batch)
         out[kind] = dict(state0=state0, grads=grads, step1=summary(a.train_step(batch)), weights1=named(a))
         out[kind] |= dict(step2=summary(a.train_step(batch)), weights2=named(a))
+    a = make_actor('dense')
+    a.micro_batch_rows, a.shared_prefix = 16, False  # every row whole: the reference
+    out['dense']['whole_grads'] = full_grads(a, shared_batch())
     return out
 
 
@@ -204,6 +237,15 @@ def test_gradients_equal_one_process(group, single, kind):
         grads, ref = group[rank][kind]['grads'], single[kind]['grads']
         assert sorted(grads) == sorted(ref)
         assert_close(grads, ref, **TIGHT)
+
+
+def test_fsdp2_scores_rows_that_share_prompts_whole(group, single):
+    """Rows whose prompts one process would score once (`shared_prefix`): a sharded policy scores them whole (FSDP2
+    frees a layer's gathered weights after each forward, and the prompt's forward would lose them: the backward
+    raised), with the gradient of whole rows in one process"""
+    for rank in range(WORLD):
+        assert group[rank]['dense']['shared_plan'] and not group[rank]['dense']['shares']
+        assert_close(group[rank]['dense']['shared_grads'], single['dense']['whole_grads'], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize('kind', KINDS)
