@@ -3,7 +3,9 @@ every row whole, on the same tiny Qwen3, batch and weights, side by side in one 
 
 Each batch is `groups` prompts x `n` sampled completions (GRPO's layout), every completion token an action. One
 timed repetition is one policy step's scoring: `PolicyActor._forward_logprobs` on the whole batch, then the backward
-of the summed action logprobs. Repetitions alternate the two arms; the ratio of medians is reported.
+of the summed action logprobs. Repetitions alternate the two arms; the ratio of medians is reported. A second table
+sweeps the arith recipe's shape (6-token prompts, 4 new tokens, 8 samples) over the rows a step trains, with the
+plan's minimum saving set to 0, to show where the second forward's own cost is paid back (what `min_saved` is from).
 
     .venv/bin/python bench/shared_prefix.py [--reps 9] [--append bench/RESULTS.md]
 """
@@ -12,12 +14,14 @@ import argparse, datetime, os, platform, statistics, time
 
 import torch
 
-from molt_nb.actor import PolicyActor, prefix_plan
+import molt_nb.actor
+from molt_nb.actor import PolicyActor
 from molt_nb.core import Batch
 from molt_nb.models import tiny_dense
 
 # (groups, samples per group, prompt tokens, completion tokens); the first is the arith recipe's shape at 128 rows
 SHAPES = [(16, 8, 6, 4), (8, 8, 48, 8), (16, 8, 48, 8), (4, 16, 112, 16)]
+SWEEP = [(g, 8, 6, 4) for g in (1, 2, 3, 4, 6, 8)]  # arith: 8 to 64 trained rows
 
 
 def grpo_batch(groups: int, n: int, prompt: int, completion: int, seed: int = 0) -> Batch:
@@ -60,9 +64,11 @@ def timed(actor: PolicyActor, batch: Batch) -> float:
 
 
 def bench(shape: tuple, reps: int) -> dict:
-    batch, actor = grpo_batch(*shape), PolicyActor(tiny_dense(hidden_size=128, intermediate_size=512, head_dim=32))
-    if prefix_plan(batch) is None:
-        raise SystemExit(f"shape {shape}: the default plan scores these rows whole; nothing to compare")
+    "Whole rows vs shared prompts on one shape (the arith recipe's model: 2 layers, hidden 128, 4 + 4 heads of 32)"
+    model = tiny_dense(hidden_size=128, intermediate_size=512, head_dim=32, num_kv_heads=4)
+    batch, actor = grpo_batch(*shape), PolicyActor(model)
+    if molt_nb.actor.prefix_plan(batch) is None:
+        raise SystemExit(f"shape {shape}: the plan scores these rows whole; nothing to compare")
     times = {True: [], False: []}
     for i in range(reps + 2):  # two warm-ups, then alternating arms
         for shared in (True, False) if i % 2 else (False, True):
@@ -81,38 +87,32 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rows = []
-    for shape in SHAPES:
-        batch = grpo_batch(*shape)
-        if prefix_plan(batch) is None:
-            rows.append(dict(shape=shape, whole_ms=None))
-            continue
-        rows.append(bench(shape, args.reps))
-    lines = [
+    head = [
         "| groups x samples | prompt + completion tokens | whole rows, ms | shared prompts, ms | speed-up |",
         "|---|---|---:|---:|---:|",
     ]
-    for r in rows:
-        (g, n, p, c) = r['shape']
-        if r['whole_ms'] is None:
-            lines.append(f"| {g} x {n} | {p} + {c} | scored whole (the plan saves too little) | | |")
-        else:
-            lines.append(
-                f"| {g} x {n} | {p} + {c} | {r['whole_ms']:.1f} | {r['shared_ms']:.1f} | **{r['ratio']:.2f}x** |"
-            )
-    table = "\n".join(lines)
-    print(table)
+    line = lambda r: "| {} x {} | {} + {} | {:.1f} | {:.1f} | **{:.2f}x** |".format(
+        *r['shape'], r['whole_ms'], r['shared_ms'], r['ratio']
+    )
+    table = "\n".join(head + [line(bench(shape, args.reps)) for shape in SHAPES])
+    plan = molt_nb.actor.prefix_plan
+    molt_nb.actor.prefix_plan = lambda mb, at_most=0.75, min_saved=128: plan(mb, at_most, 0)  # share every shape
+    try:
+        sweep = "\n".join(head + [line(bench(shape, args.reps)) for shape in SWEEP])
+    finally:
+        molt_nb.actor.prefix_plan = plan
+    print(table, sweep, sep="\n\n")
     if args.append:
         with open(args.append, "a") as f:
             f.write(
                 f"\n## trainer: shared prompts vs whole rows ({datetime.date.today()})\n\n"
                 f"Command: `.venv/bin/python bench/shared_prefix.py --reps {args.reps}`. Machine: {os.cpu_count()} CPU "
-                f"cores ({platform.machine()}), no GPU, torch {torch.__version__}, 1 torch thread. A tiny Qwen3 (2 "
-                "layers, hidden 128, MLP 512, 4 query heads of 32, 2 KV heads); random prompts and completions in "
-                "GRPO's layout. One repetition: `PolicyActor._forward_logprobs` on the batch and the backward of the "
-                f"summed action logprobs; {args.reps} alternating repetitions after 2 warm-ups, medians.\n\n"
-                + table
-                + "\n"
+                f"cores ({platform.machine()}), no GPU, torch {torch.__version__}, 1 torch thread. A tiny Qwen3 (the "
+                "arith recipe's shape: 2 layers, hidden 128, MLP 512, 4 query and 4 KV heads of 32); random prompts "
+                "and completions in GRPO's layout. One repetition: `PolicyActor._forward_logprobs` on the batch and "
+                f"the backward of the summed action logprobs; {args.reps} alternating repetitions after 2 warm-ups, "
+                "medians.\n\n" + table + "\n\nThe arith recipe's shape over the rows a step trains, the plan's "
+                "minimum saving set to 0:\n\n" + sweep + "\n"
             )
 
 

@@ -32,7 +32,8 @@ from .config import AlgoConfig, OptimConfig
 from .estimators import advantage_input, compute_advantages
 from .losses import compute_loss, get_policy_loss, loss_denominator, is_correction, kl_estimate
 from .models import decoder_layers, moe_gates
-from .vision import is_vision, vision_ids, vision_inputs
+from .vision import is_vision, text_config, vision_ids, vision_inputs
+from .decode import windowed_layers
 from .routing import RoutingConfig, RouteReplay, freeze_routers, layer_metric, logprob_gap, route_agreement
 from .weight_sync import named_weights
 
@@ -191,7 +192,7 @@ class StepResult:
 
     metrics: dict  # name -> float
     advantages: Tensor  # (B, T) per-token advantages
-    logprobs: Tensor  # (B, T) the trainer's logprobs before the step
+    logprobs: Tensor  # (B, T) the trainer's logprobs before the step (on action tokens; 0 elsewhere when shared)
     is_weights: Tensor  # (B, T) train/behaviour ratio per token (1 off action tokens)
     is_keep: Tensor  # (B, T) bool, action tokens that trained
     # MoE: (B, T, layers, top_k) experts the trainer's own routers chose (-1 on rows not trained)
@@ -265,7 +266,7 @@ class PolicyActor:
 def prefix_plan(
     mb: Batch,
     at_most: float = 0.75,  # share only when it computes at most this share of the whole rows' token positions
-    min_saved: int = 128,  # and saves at least this many (a second forward's cost: even at about 100 on a CPU)
+    min_saved: int = 160,  # and saves at least this many (a second forward's cost: even at about 140 on a CPU)
 ) -> tuple | None:
     """(row -> index of its distinct prefix, prefix lengths, row lengths) for scoring `mb` with each distinct prefix
     computed once, or None when that saves too little. A row's prefix: its tokens before the position that scores its
@@ -285,12 +286,21 @@ def prefix_plan(
 
 def cache_keyword(model) -> str | None:
     """The keyword `model`'s forward takes a KV cache by (`cache` since transformers 5.18, `past_key_values` before),
-    or None when it cannot score a row's tail against a cache (no cache, `position_ids` or `logits_to_keep`, or
-    gradient checkpointing, which turns the cache off)"""
+    or None when a row's tail scored against its prefix's cache could differ from the whole row: no cache,
+    `position_ids` or `logits_to_keep`; gradient checkpointing (it turns the cache off); a sliding-window, chunked or
+    linear-attention layer (the window counts cache slots, not positions, and a recurrent state absorbs the prefix's
+    padding); RoPE scaled by the sequence's length ('dynamic', 'longrope'); dropout while training (one mask per
+    prefix instead of one per row)"""
     takes = inspect.signature(model.forward).parameters
     # `is_activation_checkpointing` since transformers 5.2x (the old name warns), `is_gradient_checkpointing` before
     names = [k for k in ('is_activation_checkpointing', 'is_gradient_checkpointing') if hasattr(type(model), k)]
     if (names and getattr(model, names[0])) or not {'position_ids', 'logits_to_keep'} <= set(takes):
+        return None
+    c = text_config(model)
+    rope = str(getattr(c, 'rope_parameters', None) or getattr(c, 'rope_scaling', None))
+    fields = c.to_dict() if hasattr(c, 'to_dict') else {}
+    dropout = model.training and any(k.endswith('dropout') and (v or 0) > 0 for k, v in fields.items())
+    if windowed_layers(c) or 'dynamic' in rope or 'longrope' in rope or dropout:
         return None
     return next((k for k in ('cache', 'past_key_values') if k in takes), None)
 
@@ -378,7 +388,8 @@ def _micro_batches(self: PolicyActor, batch: Batch, rows: list | None = None) ->
 @patch
 @torch.no_grad()
 def logprobs(self: PolicyActor, batch: Batch, model=None) -> Tensor:
-    """(B, T-1) logprobs of the batch's tokens under `model` (the policy by default), without gradient. In a trainer
+    """(B, T-1) logprobs of the batch's tokens under `model` (the policy by default), without gradient: exact on action
+    tokens, 0 before a row's first action where rows shared their prompt (`shared_prefix_logprobs`). In a trainer
     group a collective: each rank scores its share of the rows and every rank gets them all"""
     out = torch.zeros(batch.action_mask.shape, device=self.device)
     for rows in self._micro_batches(batch):

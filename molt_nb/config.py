@@ -157,8 +157,8 @@ class TrainConfig:
         128  # rows per forward/backward, dividing a step's rollouts (the gradient does not depend on it)
     )
     threads: int = 1  # CPU threads of the trainer
-    # rows that share a prompt compute it once (same logprobs and gradient within float rounding; MoE routing replay
-    # and vision policies score rows whole); false: every row whole
+    # rows that share a prompt compute it once in one trainer process (same logprobs on action tokens and gradient
+    # within float rounding; MoE, vision and FSDP2-sharded policies score rows whole); false: every row whole
     shared_prefix: bool = True
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     # where the policy trains: 'torch' (one process), 'fsdp2' (FSDP2 over the trainer ranks), 'automodel' (NVIDIA

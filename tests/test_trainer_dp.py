@@ -31,19 +31,19 @@ def golden_batch():
 
 
 def shared_batch() -> Batch:
-    """2 prompts of 24 tokens x 8 completions of 8, rewards alternating: each rank's micro-batch holds 4 rows of each
-    prompt, enough for the default plan to score each prompt once (two forwards before one backward under FSDP2)"""
+    """2 prompts of 40 tokens x 8 completions of 8, rewards alternating: each rank's micro-batch holds 4 rows of each
+    prompt, enough for the default plan to score each prompt once in one process"""
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 250, (2, 1, 24), generator=g).expand(2, 8, 24)
-    ids = torch.cat([prompts, torch.randint(1, 250, (2, 8, 8), generator=g)], -1).reshape(16, 32)
-    action = torch.zeros(16, 31, dtype=torch.bool)
-    action[:, 23:] = True
+    prompts = torch.randint(1, 250, (2, 1, 40), generator=g).expand(2, 8, 40)
+    ids = torch.cat([prompts, torch.randint(1, 250, (2, 8, 8), generator=g)], -1).reshape(16, 48)
+    action = torch.zeros(16, 47, dtype=torch.bool)
+    action[:, 39:] = True
     return Batch(
         input_ids=ids,
-        attention_mask=torch.ones(16, 32, dtype=torch.bool),
+        attention_mask=torch.ones(16, 48, dtype=torch.bool),
         action_mask=action,
-        logprobs=torch.full((16, 31), -5.0) * action,
-        versions=torch.full((16, 31), 5, dtype=torch.int32) * action,
+        logprobs=torch.full((16, 47), -5.0) * action,
+        versions=torch.full((16, 47), 5, dtype=torch.int32) * action,
         rewards=(torch.arange(16) % 2).float(),
         scores=(torch.arange(16) % 2).float(),
         prompt_index=torch.arange(16) // 8,
