@@ -112,3 +112,20 @@ def test_models_where_a_cached_prefix_could_differ_score_whole(change, why):
         setattr(model.config, k, v)
     assert cache_keyword(model) is None, why
     assert shared_prefix_logprobs(model, ragged(), **EVERY) is None, why
+
+
+def test_a_model_that_ignores_the_cache_is_scored_whole():
+    "A forward that takes `cache` and drops it (a wrapper, an old transformers): the cache stays empty, no sharing"
+    model = tiny_dense().train()
+
+    class Forgetful(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0, **kw):
+            kw.pop("use_cache", None)
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
+
+    assert cache_keyword(Forgetful()) == 'cache'
+    assert shared_prefix_logprobs(Forgetful(), ragged(), **EVERY) is None
