@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from fastcore.basics import patch
 import torch
-from .core import Images, Memo, SamplingParams, filters_off, process_logits
+from .core import Images, Memo, SamplingParams, filters_off, process_logits, wired
 from molt_nb.decode import (
     SlotCache,
     Qwen3Decoder,
@@ -41,6 +41,8 @@ class Generation:
 
     def __len__(self):
         return len(self.token_ids)
+
+    __reduce__ = wired  # an engine actor returns each one through Ray: its tensors travel as numpy arrays
 
 # %% ../nbs/03_engine.ipynb #423d7c98
 @runtime_checkable

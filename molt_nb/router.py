@@ -10,7 +10,7 @@ __all__ = ['TRANSPORT_TIMEOUT_S', 'REVIVE_TIMEOUT_S', 'INLINE_BYTES', 'engine_of
 import asyncio, collections, time
 import torch
 from fastcore.basics import patch
-from .core import SamplingParams
+from .core import SamplingParams, from_wire, to_wire
 from .engine import Generation, TorchEngine
 from .agents import RolloutAborted
 from .config import RunConfig, build_policy, policy_is_moe, policy_processor
@@ -106,7 +106,7 @@ class EngineActor:
         self, token_ids, sampling: SamplingParams, session_id: str | None = None, images=None
     ) -> Generation:
         return await self.engine.generate(
-            token_ids, sampling, session_id, **({} if images is None else dict(images=images))
+            from_wire(token_ids), sampling, session_id, **({} if images is None else dict(images=images))
         )
 
     async def pause(self, keep: bool = True, drain: bool = False):
@@ -159,10 +159,11 @@ async def capture(coro):
 
 
 async def call(engine, name: str, *args):
-    "Call method `name` of an engine: through Ray for an actor handle, else directly (awaited if a coroutine)"
+    """Call method `name` of an engine: through Ray for an actor handle (a tensor argument travels as a numpy array,
+    `to_wire`), else directly (awaited if a coroutine)"""
     fn = getattr(engine, name)
     if hasattr(fn, 'remote'):
-        ref = fn.remote(*args)
+        ref = fn.remote(*map(to_wire, args))
         try:
             return await ref
         except asyncio.CancelledError:  # a rollout that timed out: stop its request on the engine too
