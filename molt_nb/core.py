@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SamplingParams', 'filters_off', 'process_logits', 'token_logprobs', 'Segment', 'Images', 'Memo', 'first_diff',
            'value_at', 'image_spans', 'check_images', 'Trajectory', 'Result', 'Batch', 'to_wire', 'from_wire', 'wired',
-           'collate', 'check_registration', 'write_atomic']
+           'collate', 'check_registration', 'write_atomic', 'settle_heap']
 
 # %% ../nbs/00_core.ipynb #2bda2262
 import collections, dataclasses, math, os, threading, uuid
@@ -955,3 +955,18 @@ def write_atomic(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+# %% ../nbs/00_core.ipynb #e5c0a7f3
+def settle_heap() -> bool:
+    """In a process the run owns (a Ray actor: the run's loop, a trainer rank, an engine), collect once and move every
+    object alive now (the imported libraries, the model) out of later garbage collections; whether it did. Without
+    it, each full collection walks them all with the GIL held: about 0.3 s on arith's run actor, every 3 s or so, in
+    which neither the agents nor the engine thread run. Elsewhere (a notebook's kernel) nothing changes"""
+    import gc
+    import ray
+
+    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None):
+        return False
+    gc.collect()
+    gc.freeze()
+    return True

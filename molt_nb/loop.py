@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from fastcore.basics import patch
-from .core import Batch, SamplingParams, collate, first_diff, value_at
+from .core import Batch, SamplingParams, collate, first_diff, settle_heap, value_at
 from .actor import BackwardError, FSDP2Backend, PolicyActor, TorchBackend, join_group, latest_checkpoint
 from .weight_sync import Manifest, WeightSender, free_port, join_transport_group, manifest_of
 from .router import TRANSPORT_TIMEOUT_S, EngineActor, Router
@@ -69,6 +69,7 @@ class Trainer:
         if world_size == 1:
             self.actor = self._policy_actor()
             self.snapshot()
+            settle_heap()
 
     def _policy_actor(self, dp=None) -> PolicyActor:
         cfg = self.cfg
@@ -182,6 +183,7 @@ def join_group(self: Trainer, host: str, port: int):
         torch.cuda.set_device(0)  # NCCL needs this process's device first: the one Ray made visible to it
     self.actor = self._policy_actor(join_group(self.rank, self.world_size, host, port, backend))
     self.snapshot()
+    settle_heap()
 
 
 @patch
@@ -779,6 +781,7 @@ async def _begin(self: Orchestrator) -> tuple:
     await self.engine.refresh()
     pool.on_hold = self.engine.hold  # the engines' idle clocks learn when the pool holds back
     self.engine.mark()
+    settle_heap()  # the run actor: its engine and agents are up, and no collection of them stalls a step from here
     self._last_end = time.perf_counter()  # the first step's start
     if not self.store.rows or self.store.rows[-1]['step'] < self.step:
         self.store.log(row)

@@ -10,7 +10,7 @@ __all__ = ['TRANSPORT_TIMEOUT_S', 'REVIVE_TIMEOUT_S', 'INLINE_BYTES', 'engine_of
 import asyncio, collections, time
 import torch
 from fastcore.basics import patch
-from .core import SamplingParams, from_wire, to_wire
+from .core import SamplingParams, from_wire, settle_heap, to_wire
 from .engine import Generation, TorchEngine
 from .agents import RolloutAborted
 from .config import RunConfig, build_policy, policy_is_moe, policy_processor
@@ -101,6 +101,7 @@ class EngineActor:
         torch.set_num_threads(cfg.rollout.threads)
         self.engine = engine_of(cfg, nonce)
         self.staging = self.engine if hasattr(self.engine, 'load_staged') else Staging(self.engine)
+        settle_heap()
 
     async def generate(
         self, token_ids, sampling: SamplingParams, session_id: str | None = None, images=None
