@@ -155,7 +155,7 @@ def main():
             gc.collect()
             runs[name].append(r := fn())
             r['gain_per_min'] = (r['end'] - r['start']) / (r['seconds'] / 60)
-            causes = ', '.join(f"{k} {r[f'idle_{k}']:.0%}" for k in CAUSES if f"idle_{k}" in r)
+            causes = ', '.join(f"{k} {r[f'idle_{k}']:.1%}" for k in CAUSES if f"idle_{k}" in r)
             print(
                 f"{name} (rep {rep}): {r['samples_per_s']:.0f} rollouts/s, engine idle {r['engine_idle']:.0%}"
                 f"{f' ({causes})' if causes else ''}, accuracy {r['start']:.3f} -> {r['end']:.3f} in "
@@ -204,7 +204,7 @@ def main():
             else ''
         )
         + (
-            f" Async engine idle **{asy_r['engine_idle']:.0%}**; starved engine idle **{asy_r['idle_starved']:.0%}** "
+            f" Async engine idle **{asy_r['engine_idle']:.0%}**; starved engine idle **{asy_r['idle_starved']:.1%}** "
             f"of the RL time (goal: under 10%, median of {args.reps}); async max staleness "
             f"{asy_r['staleness_max']:.0f}."
             if asy_r
