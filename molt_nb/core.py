@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 from fastcore.basics import patch
 
 # %% ../nbs/00_core.ipynb #8dcdfcb7
@@ -746,18 +745,9 @@ class Batch:
     images: list = field(default_factory=list)  # (B,) images of each row's segment
 
 # %% ../nbs/00_core.ipynb #a7e3c1d2
-# the dtypes numpy holds (bfloat16 is not one): a tensor of another dtype is pickled as torch pickles it
-_WIRE_DTYPES = {
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.float32,
-}
-_WIRE_DTYPES |= {torch.float64}
+# the dtypes sent as numpy arrays (numpy has no bfloat16): a tensor of another dtype is pickled as torch pickles it
+_WIRE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+_WIRE_DTYPES |= {torch.float16, torch.float32, torch.float64}
 
 
 def to_wire(v):
@@ -774,13 +764,15 @@ def from_wire(v):
     return torch.from_numpy(v if v.flags.writeable else v.copy())
 
 
-def _unwired(cls, values: tuple):
-    return cls(*map(from_wire, values))
+def _unwired(cls, state: dict):
+    out = object.__new__(cls)  # not `cls(...)`: nothing is checked or derived again, every attribute comes back
+    out.__dict__.update({k: from_wire(v) for k, v in state.items()})
+    return out
 
 
 def wired(self) -> tuple:
-    "A dataclass's `__reduce__` with its tensor fields `to_wire`: what crosses Ray on every step or request"
-    return _unwired, (type(self), tuple(to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)))
+    "A `__reduce__` that sends the object's tensor attributes `to_wire`: for what crosses Ray on every step or request"
+    return _unwired, (type(self), {k: to_wire(v) for k, v in vars(self).items()})
 
 # %% ../nbs/00_core.ipynb #7c22ee46
 @patch
@@ -802,7 +794,7 @@ def __repr__(self: Batch) -> str:
     )
 
 
-Batch.__reduce__ = wired  # the trainer receives a step's batch through Ray: 0.1 ms to pickle and load, not 2.5 ms
+Batch.__reduce__ = wired  # the trainer receives a step's batch through Ray: 0.26 ms to pickle and load, not 2.5 ms
 
 # %% ../nbs/00_core.ipynb #deba8942
 def _pad(
@@ -849,8 +841,8 @@ def collate(
     trs, segment_index, segs = zip(*rows)
     device = segs[0].token_ids.device
     per_row = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
-    lengths = per_row(list(map(len, segs)), torch.int64)
-    filled = torch.arange(int(lengths.max()), device=device) < lengths[:, None]  # the attention mask
+    lengths = list(map(len, segs))
+    filled = torch.arange(max(lengths), device=device) < per_row(lengths, torch.int64)[:, None]  # the attention mask
     input_ids = _pad([s.token_ids for s in segs], filled)
     # one test on the padded ids (padding is id 0); the per-segment check names the first bad one
     if vocab_size is not None and bool(_bad_ids(input_ids, vocab_size).any()):
@@ -961,11 +953,13 @@ def settle_heap() -> bool:
     """In a process the run owns (a Ray actor: the run's loop, a trainer rank, an engine), collect once and move every
     object alive now (the imported libraries, the model) out of later garbage collections; whether it did. Without
     it, each full collection walks them all with the GIL held: about 0.3 s on arith's run actor, every 3 s or so, in
-    which neither the agents nor the engine thread run. Elsewhere (a notebook's kernel) nothing changes"""
-    import gc
-    import ray
+    which neither the agents nor the engine thread run. Elsewhere (a notebook's kernel, a process without Ray) nothing
+    changes. What is frozen is never collected: an object frozen now that joins a reference cycle later stays
+    (`ChatServer.stop` unfreezes what its `start` froze, in its own process)"""
+    import gc, sys
 
-    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None):
+    ray = sys.modules.get('ray')  # a process that never imported Ray is no actor (and need not pay for the import)
+    if ray is None or not (ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None):
         return False
     gc.collect()
     gc.freeze()

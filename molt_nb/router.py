@@ -160,11 +160,10 @@ async def capture(coro):
 
 
 async def call(engine, name: str, *args):
-    """Call method `name` of an engine: through Ray for an actor handle (a tensor argument travels as a numpy array,
-    `to_wire`), else directly (awaited if a coroutine)"""
+    "Call method `name` of an engine: through Ray for an actor handle, else directly (awaited if a coroutine)"
     fn = getattr(engine, name)
     if hasattr(fn, 'remote'):
-        ref = fn.remote(*map(to_wire, args))
+        ref = fn.remote(*args)
         try:
             return await ref
         except asyncio.CancelledError:  # a rollout that timed out: stop its request on the engine too
@@ -270,8 +269,11 @@ async def generate(
     self.inflight[i] += 1
     self.routed[i] += 1
     try:
+        engine = self.engines[i]
+        if hasattr(engine.generate, 'remote'):  # to an engine actor the prompt travels as a numpy array (`to_wire`)
+            token_ids = to_wire(token_ids)
         args = (token_ids, sampling or SamplingParams(), session_id) + (() if images is None else (images,))
-        return await call(self.engines[i], 'generate', *args)
+        return await call(engine, 'generate', *args)
     except Exception as e:
         if not died(e):
             raise

@@ -22,6 +22,9 @@ def parity(*overrides):
     )
 
 
+FROZEN = lambda actor: __import__('gc').get_freeze_count()  # noqa: E731 (a lambda travels by value)
+
+
 def finished(run, timeout: float = 300):
     "The run's metrics once it finished (its actors are killed whatever happens)"
     try:
@@ -32,40 +35,13 @@ def finished(run, timeout: float = 300):
         run.kill()
 
 
-def freeze_count(actor) -> int:
-    import gc
-
-    return gc.get_freeze_count()
-
-
 def test_engines_and_trainer_ranks(ray_local):
     "2 engine actors and 2 trainer ranks: every trained token is the engine's, every step's weights reach the engines"
-    import ray
     from molt_nb.controller import launch
-    from molt_nb.remote import by_value
-    from molt_nb.steering import NAMESPACE
 
     cfg = parity('loop.steps=3', 'cluster.engines=2', 'cluster.trainer_ranks=2')
     assert cfg.cluster.weight_transport == 'broadcast'
-    run = launch(cfg, name='cluster-2x2', check=False)
-    try:
-        run.wait(until_step=1, timeout=300)
-        # each of the run's processes moved what it had built out of the garbage collector's full passes
-        # (`settle_heap`): the run's loop, both trainer ranks, both engines
-        names = [
-            'cluster-2x2',
-            'cluster-2x2/trainer/0',
-            'cluster-2x2/trainer/1',
-            *(f'cluster-2x2/engine/{i}.0' for i in (0, 1)),
-        ]
-        frozen = ray.get(
-            [ray.get_actor(n, namespace=NAMESPACE).__ray_call__.remote(by_value(freeze_count)) for n in names]
-        )
-        assert all(n > 10_000 for n in frozen), dict(zip(names, frozen))
-    except BaseException:
-        run.kill()
-        raise
-    m = finished(run)
+    m = finished(launch(cfg, name='cluster-2x2', check=False))
     assert list(m.step) == [1, 2, 3]
     assert list(m.version) == [1, 2, 3]  # the engines sample with the weights of the step just trained
     assert (m.identity_checked > 0).all()  # loop.debug: trained tokens checked against the engines' record
@@ -127,6 +103,22 @@ def test_each_side_runs_in_its_own_python(ray_local, tmp_path):
         names.append('cluster-sides/trainer/1')
         side = lambda self: __import__('os').environ.get('MOLT_SIDE')  # noqa: E731 (a lambda travels by value)
         got = [ray.get(ray.get_actor(n, namespace=NAMESPACE).__ray_call__.remote(side), timeout=60) for n in names]
+        frozen = [ray.get(ray.get_actor(n, namespace=NAMESPACE).__ray_call__.remote(FROZEN), timeout=60) for n in names]
     finally:
         run.kill()
     assert got == [None, 'rollout', 'rollout', 'trainer', 'trainer'], got
+    # each process of the run moved what it had built out of the garbage collector's full passes (`settle_heap`):
+    # the run's loop, the engines and the trainer ranks
+    assert all(n > 10_000 for n in frozen), dict(zip(names, frozen))
+
+
+def test_a_lone_trainer_settles_its_heap(ray_local):
+    "A trainer actor without a group (cluster.trainer_ranks=1) freezes what it built too"
+    import ray
+    from molt_nb.loop import Trainer
+
+    trainer = ray.remote(Trainer).options(num_cpus=0).remote(parity())
+    try:
+        assert ray.get(trainer.__ray_call__.remote(FROZEN), timeout=300) > 10_000
+    finally:
+        ray.kill(trainer)
