@@ -253,8 +253,18 @@ class PolicyActor:
         self.router = self.backend.route_replay(model, routing)
         model = self.model = self.backend.wrap(self.model)
         params = [p for p in model.parameters() if p.requires_grad]
+        # the whole update in one fused op where torch has it (plain CPU and CUDA tensors; FSDP2's DTensors take torch's
+        # default), as TRL's default optimizer does (`adamw_torch_fused`): the same update, 4x faster on the arith model
+        fused = all(
+            p.is_floating_point() and p.device.type in ('cpu', 'cuda') and not isinstance(p, DTensor) for p in params
+        )
         self.opt = torch.optim.AdamW(
-            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            params,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=fused or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.optim))
         self.step, self.version = 0, version

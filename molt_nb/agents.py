@@ -184,7 +184,8 @@ async def run(
         if gen.finish_reason == 'abort':
             raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
         seg = absorb(seg, gen)
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        ids = gen.token_ids.tolist()  # a list: the tokenizer's own conversion of a tensor (`to_py_obj`) costs more
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         result = await _env_call(
             env,
             'step',
@@ -206,7 +207,7 @@ async def run(
             break
         obs = [result.observation, *result.images] if result.images else result.observation
         new = [dict(role=self.observation_role, content=obs)]
-        sampled = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False) if self.template else text
+        sampled = self.tokenizer.decode(ids, skip_special_tokens=False) if self.template else text
         if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None:
             truncated = True
             break

@@ -273,7 +273,7 @@ def num_actions(self: Segment) -> int:
 
 @patch
 def __len__(self: Segment) -> int:
-    return len(self.token_ids)
+    return self.token_ids.shape[0]  # not len(): a tensor's __len__ is a Python frame, and this runs for every turn
 
 
 @patch
@@ -397,6 +397,19 @@ def extend(
             f"{'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation "
             "tokens"
         )
+    if _as_sampled(self, token_ids, logprobs, versions) and routes is None and images is None and self.images is None:
+        # a turn as an engine returns it: its checks and one join per field, nothing converted; the general path below
+        # explains a bad value
+        if _appended_valid(token_ids, logprobs, versions, True, self.vocab_size):
+            return _trusted(
+                torch.cat([self.token_ids, token_ids]),
+                torch.cat([self.action_mask, torch.full(token_ids.shape, True, device=token_ids.device)]),
+                torch.cat([self.logprobs, logprobs]),
+                torch.cat([self.versions, versions]),
+                None,
+                None,
+                self.vocab_size,
+            )
     dev = self.token_ids.device
     ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
     n, sampled = len(ids), logprobs is not None
@@ -427,9 +440,27 @@ def extend(
 _FEW = 64  # up to this many appended tokens are checked in Python (a turn's few tokens: see `_valid_ids`)
 
 
+def _as_sampled(seg: Segment, ids, lp, vs) -> bool:
+    """Whether ids, logprobs and versions are sampled tokens as an engine returns them for `seg` (a segment without
+    routes): 1-D int64, float32 and int32 tensors of one length on its device"""
+    T = Tensor
+    return (
+        seg.routes is None
+        and type(ids) is T
+        and type(lp) is T
+        and type(vs) is T
+        and ids.dtype is torch.int64
+        and lp.dtype is torch.float32
+        and vs.dtype is torch.int32
+        and ids.ndim == 1
+        and ids.shape == lp.shape == vs.shape
+        and ids.device == seg.token_ids.device == lp.device == vs.device
+    )
+
+
 def _appended_valid(ids: Tensor, lp: Tensor, vs: Tensor, sampled: bool, vocab_size: int | None) -> bool:
     "True when appended ids, logprobs and versions are valid for sampled tokens (`sampled`) or observation tokens"
-    if len(ids) > _FEW:
+    if ids.shape[0] > _FEW:  # (`len` of a tensor costs a Python frame)
         return not bool((_bad_ids(ids, vocab_size) | ((_bad_logprob(lp) | (vs < 0)) if sampled else (lp != 0))).any())
     i, p, v = ids.tolist(), lp.tolist(), vs.tolist()
     if i and (min(i) < 0 or (vocab_size is not None and max(i) >= vocab_size)):
