@@ -253,23 +253,8 @@ class PolicyActor:
         self.router = self.backend.route_replay(model, routing)
         model = self.model = self.backend.wrap(self.model)
         params = [p for p in model.parameters() if p.requires_grad]
-        # the whole update in one fused op where torch has it (plain CPU and CUDA tensors; FSDP2's DTensors take torch's
-        # default), as TRL's default optimizer does (`adamw_torch_fused`): AdamW's update (to float rounding), 4x faster
-        # on the arith model
-        self.fused = (
-            all(
-                p.is_floating_point() and p.device.type in ('cpu', 'cuda') and not isinstance(p, DTensor)
-                for p in params
-            )
-            or None  # torch's default
-        )
         self.opt = torch.optim.AdamW(
-            params,
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            fused=self.fused,
+            params, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.optim))
         self.step, self.version = 0, version
@@ -738,14 +723,7 @@ def trainer_state(path: Path) -> tuple:
 def load(self: PolicyActor, path) -> dict:
     """Restore weights, optimizer, scheduler, RNG, step and version from a checkpoint directory (or a root with
     `latest`); returns `extra` (`Backend.load`). In a trainer group a collective"""
-    extra = self.backend.load(self, path)
-    # a checkpoint's param groups carry its optimizer's `fused`: this actor keeps its own (`__init__`), and the fused
-    # kernel reads each step count beside its parameter
-    for g in self.opt.param_groups:
-        g['fused'] = self.fused
-    for p, s in self.opt.state.items() if self.fused else ():
-        s['step'] = s['step'].to(p.device, torch.float32)
-    return extra
+    return self.backend.load(self, path)
 
 
 @patch
