@@ -397,7 +397,7 @@ def extend(
             f"{'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation "
             "tokens"
         )
-    if _as_sampled(self, token_ids, logprobs, versions) and routes is None and images is None and self.images is None:
+    if _as_sampled(self, token_ids, logprobs, versions, routes, images):
         # a turn as an engine returns it: its checks and one join per field, nothing converted; the general path below
         # explains a bad value
         if _appended_valid(token_ids, logprobs, versions, True, self.vocab_size):
@@ -440,15 +440,17 @@ def extend(
 _FEW = 64  # up to this many appended tokens are checked in Python (a turn's few tokens: see `_valid_ids`)
 
 
-def _as_sampled(seg: Segment, ids, lp, vs) -> bool:
-    """Whether ids, logprobs and versions are sampled tokens as an engine returns them for `seg` (a segment without
-    routes): 1-D int64, float32 and int32 tensors of one length on its device"""
-    T = Tensor
+def _as_sampled(seg: Segment, ids, lp, vs, routes, images) -> bool:
+    """Whether an append to `seg` is sampled tokens as an engine returns them: 1-D int64, float32 and int32 tensors of
+    one length on its device, with no routes or images on either side"""
     return (
-        seg.routes is None
-        and type(ids) is T
-        and type(lp) is T
-        and type(vs) is T
+        routes is None
+        and images is None
+        and seg.routes is None
+        and seg.images is None
+        and type(ids) is Tensor
+        and type(lp) is Tensor
+        and type(vs) is Tensor
         and ids.dtype is torch.int64
         and lp.dtype is torch.float32
         and vs.dtype is torch.int32
