@@ -235,9 +235,9 @@ class TorchEngine:
         # a vision-language model: 3D positions computed here, and its vision tokens are never sampled
         self._vision, banned = is_vision(model), vision_ids(model)
         self._banned = torch.tensor(banned, device=self.device) if banned else None
-        self.stats = dict(
-            steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0, sync_s=0.0
-        )  # busy_s: seconds spent computing (idle = wall - busy); sync_s: idle while paused (`_next_work`)
+        # busy_s: seconds spent computing (idle = wall - busy); sync_s: idle while paused (`_next_work`), and the
+        # commands run while paused, such as loading weights (`_loop`)
+        self.stats = dict(steps=0, tokens=0, prefills=0, requests=0, busy_s=0.0, sync_s=0.0)
         self._params, self._seed, self._submitted = model.state_dict(keep_vars=True), seed, 0
         self._fast = Qwen3Decoder(model, self.max_model_len) if qwen3_decodable(model) else None
         # the cache's keyword: `cache` since transformers 5.18, `past_key_values` before (which 5.17 would swallow
@@ -495,14 +495,16 @@ def _next_work(self: TorchEngine):
 
 @patch
 def _take_pending(self: TorchEngine):
+    # paused or draining, nothing starts: no burst to wait for (a command woke the thread; only this thread changes
+    # either, so none starts during the wait below)
+    if self._paused or self._drains:
+        return []
     if not self._reqs and self._pending:  # idle: let a burst of submissions land, so it prefills as one batch
         seen = -1
         while seen != len(self._pending):
             seen = len(self._pending)
             time.sleep(0.0005)
     with self._cv:
-        if self._paused or self._drains:
-            return []
         n = self.max_batch - len(self._reqs)
         admit, self._pending = self._pending[:n], self._pending[n:]
         return admit
@@ -513,8 +515,11 @@ def _loop(self: TorchEngine):
     torch.set_num_threads(self.threads)  # per OS thread: the caller's setting is untouched
     with torch.inference_mode():
         while (commands := self._next_work()) is not None:
+            began, paused = time.perf_counter(), self._paused
             for command in commands:
                 command()
+            if paused or self._paused:  # loading weights, pausing, resuming: a sync's time, not idle for want of work
+                self.stats["sync_s"] += time.perf_counter() - began
             admit = self._take_pending()
             start = time.perf_counter()
             if self._stale and not self._paused:
