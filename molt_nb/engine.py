@@ -495,8 +495,8 @@ def _next_work(self: TorchEngine):
 
 @patch
 def _take_pending(self: TorchEngine):
-    # paused or draining, nothing starts: no burst to wait for (a command woke the thread; only this thread changes
-    # either, so none starts during the wait below)
+    # paused or draining, nothing starts: no burst to wait for (only this thread changes either, so neither changes
+    # during the wait below)
     if self._paused or self._drains:
         return []
     if not self._reqs and self._pending:  # idle: let a burst of submissions land, so it prefills as one batch
