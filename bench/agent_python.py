@@ -3,7 +3,11 @@
 In an async run the agents share the run actor's event loop (and its GIL) with the engine thread: each microsecond of
 Python per rollout is a microsecond the engine waits for requests or for the GIL. This measures that Python alone,
 128 rollouts (a step: 16 prompts x 8) at a time, with an engine stub that returns a fixed `Generation` (the answer
-and the end token) without sampling. Reports the best of 5 rounds of 20 steps, in microseconds per rollout.
+and the end token) without sampling. Reports the best of 5 rounds of 20 steps, in microseconds per rollout, two ways:
+
+- the runner alone on the same 16 prompts each step (each group's opening is then cached: the agents' turn only);
+- as the run calls it: `Pool.collect` of 16 groups, the recipe's pool settings, a `Router` in front of the stub,
+  each group a new prompt (its opening rendered and tokenized once, as in a run).
 
     .venv/bin/python bench/agent_python.py
 
@@ -17,7 +21,9 @@ import torch
 
 from molt_nb.config import load_config, policy_tokenizer
 from molt_nb.engine import Generation
+from molt_nb.pool import Pool
 from molt_nb.recipe import recipe_parts
+from molt_nb.router import Router
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,14 +60,41 @@ async def per_rollout(runner, engine, tasks, sampling, steps: int = 20, rounds: 
     return best * 1e6
 
 
+async def through_pool(cfg, runner, engine, tasks, sampling, vocab_size: int, steps: int = 20, rounds: int = 5):
+    "Best microseconds per rollout of `Pool.collect` (16 groups a step) with a `Router` over `engine`"
+    r = cfg.rollout
+    router = Router(lambda slot, incarnation: engine, 1, vocab_size)
+    pool = Pool(runner, router, tasks, sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes)
+    pool.on_hold = router.hold  # as the run wires them (`Orchestrator._begin`)
+    per_step = r.groups_per_step * r.n_samples
+    try:
+        for _ in range(5):
+            await pool.collect(r.groups_per_step)
+        best = float('inf')
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(steps):
+                await pool.collect(r.groups_per_step)
+            best = min(best, (time.perf_counter() - start) / (steps * per_step))
+    finally:
+        await pool.close()
+    return best * 1e6
+
+
 def main():
     torch.set_num_threads(1)
     cfg = load_config(ROOT / 'recipes' / 'arith', ['run_dir="/tmp/molt-bench-agent-python"'])
     tok, _ = policy_tokenizer(cfg)
     parts = recipe_parts(cfg, tok)
     answer = tok.encode('52', add_special_tokens=False) + [tok.convert_tokens_to_ids('<|im_end|>')]
-    us = asyncio.run(per_rollout(parts.runner, Answering(answer), parts.train_tasks[:16], parts.sampling))
-    print(f"arith StepEnvRunner: {us:.1f} us of Python per rollout (best of 5 rounds of 20 steps x 128 rollouts)")
+    engine = Answering(answer)
+    us = asyncio.run(per_rollout(parts.runner, engine, parts.train_tasks[:16], parts.sampling))
+    print(f"arith StepEnvRunner, the same 16 prompts: {us:.1f} us of Python per rollout (best of 5 rounds of 20 steps)")
+    us = asyncio.run(through_pool(cfg, parts.runner, engine, parts.train_tasks, parts.sampling, len(tok)))
+    print(
+        f"through Pool.collect and a Router, new prompts: {us:.1f} us of Python per rollout (best of 5 rounds of "
+        "20 steps)"
+    )
 
 
 if __name__ == '__main__':
