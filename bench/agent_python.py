@@ -41,14 +41,8 @@ class Answering:
         return Generation(*self.fields, None, 'stop', len(token_ids))
 
 
-async def per_rollout(runner, engine, tasks, sampling, steps: int = 20, rounds: int = 5) -> float:
-    "Best microseconds per rollout over `rounds` of `steps` steps of 16 groups x 8 rollouts"
-
-    async def step():
-        return await asyncio.gather(
-            *[runner.run(engine, t, sampling, f"g{g}/r{j}", f"g{g}", g) for g, t in enumerate(tasks) for j in range(8)]
-        )
-
+async def best_us(step, rollouts: int, steps: int = 20, rounds: int = 5) -> float:
+    "Best microseconds per rollout over `rounds` of `steps` calls of `step` (`rollouts` each), after 5 warm ones"
     for _ in range(5):
         await step()
     best = float('inf')
@@ -56,29 +50,32 @@ async def per_rollout(runner, engine, tasks, sampling, steps: int = 20, rounds: 
         start = time.perf_counter()
         for _ in range(steps):
             await step()
-        best = min(best, (time.perf_counter() - start) / (steps * 8 * len(tasks)))
+        best = min(best, (time.perf_counter() - start) / (steps * rollouts))
     return best * 1e6
 
 
-async def through_pool(cfg, runner, engine, tasks, sampling, vocab_size: int, steps: int = 20, rounds: int = 5):
-    "Best microseconds per rollout of `Pool.collect` (16 groups a step) with a `Router` over `engine`"
+async def per_rollout(cfg, runner, engine, tasks, sampling) -> float:
+    "The runner alone, each step the same `tasks` (`groups_per_step` of them) x `n_samples` rollouts"
+    n = cfg.rollout.n_samples
+
+    async def step():
+        return await asyncio.gather(
+            *[runner.run(engine, t, sampling, f"g{g}/r{j}", f"g{g}", g) for g, t in enumerate(tasks) for j in range(n)]
+        )
+
+    return await best_us(step, len(tasks) * n)
+
+
+async def through_pool(cfg, runner, engine, tasks, sampling, vocab_size: int) -> float:
+    "`Pool.collect` of `groups_per_step` groups a step, the recipe's pool settings, a `Router` over `engine`"
     r = cfg.rollout
     router = Router(lambda slot, incarnation: engine, 1, vocab_size)
     pool = Pool(runner, router, tasks, sampling, r.n_samples, r.groups_in_flight, r.timeout_s, r.min_successes)
     pool.on_hold = router.hold  # as the run wires them (`Orchestrator._begin`)
-    per_step = r.groups_per_step * r.n_samples
     try:
-        for _ in range(5):
-            await pool.collect(r.groups_per_step)
-        best = float('inf')
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(steps):
-                await pool.collect(r.groups_per_step)
-            best = min(best, (time.perf_counter() - start) / (steps * per_step))
+        return await best_us(lambda: pool.collect(r.groups_per_step), r.groups_per_step * r.n_samples)
     finally:
         await pool.close()
-    return best * 1e6
 
 
 def main():
@@ -88,13 +85,11 @@ def main():
     parts = recipe_parts(cfg, tok)
     answer = tok.encode('52', add_special_tokens=False) + [tok.convert_tokens_to_ids('<|im_end|>')]
     engine = Answering(answer)
-    us = asyncio.run(per_rollout(parts.runner, engine, parts.train_tasks[:16], parts.sampling))
-    print(f"arith StepEnvRunner, the same 16 prompts: {us:.1f} us of Python per rollout (best of 5 rounds of 20 steps)")
+    groups = cfg.rollout.groups_per_step
+    us = asyncio.run(per_rollout(cfg, parts.runner, engine, parts.train_tasks[:groups], parts.sampling))
+    print(f"arith StepEnvRunner, the same {groups} prompts: {us:.1f} us of Python per rollout (best of 5 x 20 steps)")
     us = asyncio.run(through_pool(cfg, parts.runner, engine, parts.train_tasks, parts.sampling, len(tok)))
-    print(
-        f"through Pool.collect and a Router, new prompts: {us:.1f} us of Python per rollout (best of 5 rounds of "
-        "20 steps)"
-    )
+    print(f"through Pool.collect and a Router, new prompts: {us:.1f} us of Python per rollout (best of 5 x 20 steps)")
 
 
 if __name__ == '__main__':

@@ -397,29 +397,19 @@ def extend(
             f"{'versions' if versions is None else 'logprobs'}: give both for sampled tokens, neither for observation "
             "tokens"
         )
-    if _as_sampled(self, token_ids, logprobs, versions, routes, images):
-        # a turn as an engine returns it: its checks and one join per field, nothing converted; the general path below
-        # explains a bad value
-        if _appended_valid(token_ids, logprobs, versions, True, self.vocab_size):
-            return _trusted(
-                torch.cat([self.token_ids, token_ids]),
-                torch.cat([self.action_mask, torch.full(token_ids.shape, True, device=token_ids.device)]),
-                torch.cat([self.logprobs, logprobs]),
-                torch.cat([self.versions, versions]),
-                None,
-                None,
-                self.vocab_size,
-            )
-    dev = self.token_ids.device
-    ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
-    n, sampled = len(ids), logprobs is not None
-    lp, vs = (
-        _appended(logprobs, n, torch.float32, 0.0, 'logprobs', dev),
-        _appended(versions, n, torch.int32, -1, 'versions', dev),
-    )
-    new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
-    if images is not None or self.images is not None:
-        images = _appended_images(self.images, images, ids, sampled)
+    dev, sampled = self.token_ids.device, logprobs is not None
+    if _as_sampled(self, token_ids, logprobs, versions, routes, images):  # a turn as an engine returns it
+        ids, lp, vs, new_routes, n = token_ids, logprobs, versions, None, token_ids.shape[0]
+    else:
+        ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
+        n = len(ids)
+        lp, vs = (
+            _appended(logprobs, n, torch.float32, 0.0, 'logprobs', dev),
+            _appended(versions, n, torch.int32, -1, 'versions', dev),
+        )
+        new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
+        if images is not None or self.images is not None:
+            images = _appended_images(self.images, images, ids, sampled)
     fields = (
         torch.cat([self.token_ids, ids]),
         torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
@@ -442,7 +432,8 @@ _FEW = 64  # up to this many appended tokens are checked in Python (a turn's few
 
 def _as_sampled(seg: Segment, ids, lp, vs, routes, images) -> bool:
     """Whether an append to `seg` is sampled tokens as an engine returns them: 1-D int64, float32 and int32 tensors of
-    one length on its device, with no routes or images on either side"""
+    one length on its device, with no routes or images on either side: nothing to convert (`Segment.extend` skips
+    its conversions)"""
     return (
         routes is None
         and images is None
