@@ -398,8 +398,8 @@ def extend(
             "tokens"
         )
     dev, sampled = self.token_ids.device, logprobs is not None
-    if _as_sampled(self, token_ids, logprobs, versions, routes, images):  # a turn as an engine returns it
-        ids, lp, vs, new_routes, n = token_ids, logprobs, versions, None, token_ids.shape[0]
+    if _as_sampled(self, token_ids, logprobs, versions):  # a turn as an engine returns it: nothing to convert
+        ids, lp, vs, n = token_ids, logprobs, versions, token_ids.shape[0]
     else:
         ids = _as(token_ids, torch.int64, 'Segment.extend token_ids', dev).reshape(-1)
         n = len(ids)
@@ -407,9 +407,9 @@ def extend(
             _appended(logprobs, n, torch.float32, 0.0, 'logprobs', dev),
             _appended(versions, n, torch.int32, -1, 'versions', dev),
         )
-        new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
-        if images is not None or self.images is not None:
-            images = _appended_images(self.images, images, ids, sampled)
+    new_routes = None if routes is None else _as(routes, torch.int16, 'Segment.extend routes', dev)
+    if images is not None or self.images is not None:
+        images = _appended_images(self.images, images, ids, sampled)
     fields = (
         torch.cat([self.token_ids, ids]),
         torch.cat([self.action_mask, torch.full((n,), sampled, device=dev)]),
@@ -430,16 +430,11 @@ def extend(
 _FEW = 64  # up to this many appended tokens are checked in Python (a turn's few tokens: see `_valid_ids`)
 
 
-def _as_sampled(seg: Segment, ids, lp, vs, routes, images) -> bool:
-    """Whether an append to `seg` is sampled tokens as an engine returns them: 1-D int64, float32 and int32 tensors of
-    one length on its device, with no routes or images on either side: nothing to convert (`Segment.extend` skips
-    its conversions)"""
+def _as_sampled(seg: Segment, ids, lp, vs) -> bool:
+    """Whether ids, logprobs and versions appended to `seg` are sampled tokens as an engine returns them, with nothing
+    to convert: 1-D int64, float32 and int32 tensors of one length on its device"""
     return (
-        routes is None
-        and images is None
-        and seg.routes is None
-        and seg.images is None
-        and type(ids) is Tensor
+        type(ids) is Tensor
         and type(lp) is Tensor
         and type(vs) is Tensor
         and ids.dtype is torch.int64
