@@ -166,8 +166,15 @@ class TrainConfig:
     backend: str = 'auto'
     # forward/backward dtype of 'fsdp2' and 'automodel' (e.g. 'bfloat16'); the master weights and optimizer stay fp32
     param_dtype: str | None = None
+    # token positions whose full-vocabulary logits exist at once when the trainer scores a micro-batch (`chunked
+    # logprobs`): memory ~ chunk x vocab x 4 bytes x a few copies instead of rows x length x vocab x 4 x a few
+    logprob_chunk: int = 1024
+    # recompute each decoder layer's activations in the backward instead of keeping them (less memory, ~1.3x compute)
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
+        if not (isinstance(self.logprob_chunk, int) and self.logprob_chunk >= 1):
+            raise ValueError(f"train.logprob_chunk is {self.logprob_chunk!r}, expected an int >= 1 (token positions)")
         if self.backend not in TRAIN_BACKENDS:
             raise ValueError(f"train.backend is {self.backend!r}, expected one of {TRAIN_BACKENDS}")
         if self.param_dtype is not None and self.param_dtype not in PARAM_DTYPES:
@@ -220,8 +227,12 @@ class ClusterConfig:
     # image has two (vLLM and NeMo AutoModel cannot share one): /opt/molt-rollout/bin/python, /opt/molt-trainer/...
     rollout_python: str = ''
     trainer_python: str = ''
+    # memory of each GPU in GB (1e9 bytes): `molt-nb plan` and `launch` check every GPU role's planned peak against it
+    gpu_gb: float = 80.0
 
     def __post_init__(self):
+        if not self.gpu_gb > 0:
+            raise ValueError(f"cluster.gpu_gb is {self.gpu_gb!r}: give each GPU's memory in GB, such as 80")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"cluster.transport is {self.transport!r}, expected one of {TRANSPORTS}")
         # what does not depend on the cluster's shape is checked now; the shape when the run is placed
