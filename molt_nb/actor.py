@@ -4,12 +4,13 @@
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMATS', 'METRIC_KEYS', 'lr_factor', 'DataParallel', 'join_group', 'leave_group', 'shard_model',
-           'Backend', 'TorchBackend', 'FSDP2Backend', 'StepResult', 'PolicyActor', 'prefix_plan', 'cache_keyword',
-           'shared_prefix_logprobs', 'BackwardError', 'latest_checkpoint', 'tied_names', 'rng_states', 'checkpoint_dir',
-           'trainer_state']
+           'sum_gradients', 'Backend', 'TorchBackend', 'FSDP2Backend', 'StepResult', 'PolicyActor', 'prefix_plan',
+           'cache_keyword', 'shared_prefix_logprobs', 'chunk_logits', 'ChunkedLogprobs', 'output_head', 'scoring_head',
+           'BackwardError', 'latest_checkpoint', 'tied_names', 'rng_states', 'checkpoint_dir', 'trainer_state']
 
 # %% ../nbs/15_actor.ipynb #6b2a71de
 import inspect, json, math, os, random, shutil, uuid
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -99,11 +100,16 @@ def shard_model(
     # process: in a step where no rank's rows reach them, their gradient is zero rather than None, so AdamW still moves
     # them on its momentum and weight decay (one process skips them)
     model.set_reduce_scatter_unused_params(True)
-    if dp.global_mean:
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    return sum_gradients(model) if dp.global_mean else model
+
+
+def sum_gradients(model):
+    """`model` with every FSDP module summing its gradients over the ranks instead of averaging them: each rank's loss
+    already divides by the whole step's denominator. Whoever shards the model (here, or NVIDIA AutoModel) must set it"""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
     return model
 
 # %% ../nbs/15_actor.ipynb #13cce7e3
@@ -116,8 +122,9 @@ class Backend(Protocol):
     def wrap(self, model): ...  # the model to train: sharded, or as it is
     def route_replay(self, model, routing: RoutingConfig): ...  # MoE: freeze routers, their replay; or None
     def sum_over_ranks(self, t: Tensor) -> Tensor: ...  # `t` summed over the ranks, in place (a collective)
+    def reshard(self, model): ...  # free weights a forward gathered (before a step changes the shards)
     def clip_grad_norm(self, params: list, max_norm: float) -> Tensor: ...  # clip; the whole model's norm
-    def export_weights(self, model) -> list | None: ...  # (engine name, full tensor) on rank 0, else None
+    def export_weights(self, model, dtype=None): ...  # yields (engine name, full tensor), one at a time, every rank
     def save(self, actor, root: Path, extra: dict | None) -> Path: ...  # `PolicyActor.save`
     def load(self, actor, path) -> dict: ...  # `PolicyActor.load`
 
@@ -143,8 +150,13 @@ class TorchBackend:
     def clip_grad_norm(self, params: list, max_norm: float) -> Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def export_weights(self, model) -> list:
-        return named_weights(model)
+    def reshard(self, model):
+        pass  # nothing gathered
+
+    def export_weights(self, model, dtype: torch.dtype | None = None):
+        "Yield (name, tensor) of each parameter in `dtype` (None: its own; the same tensor, not a copy, when equal)"
+        for n, p in named_weights(model):
+            yield n, p if dtype is None else p.to(dtype)
 
 # %% ../nbs/15_actor.ipynb #94e66065
 CHECKPOINT_FORMATS = ('full', 'dcp')
@@ -179,11 +191,20 @@ class FSDP2Backend(TorchBackend):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # the whole model's norm, on every rank
 
-    def export_weights(self, model) -> list | None:
-        "A collective: every rank calls it (`full_tensor` all-gathers each parameter), rank 0 gets the list"
-        with torch.no_grad():
-            full = [(n, p.full_tensor() if isinstance(p, DTensor) else p.detach()) for n, p in model.named_parameters()]
-        return full if dist.get_rank() == 0 else None  # the group's rank 0 (a data-parallel rank has replicas)
+    def reshard(self, model):
+        """Free every weight a forward gathered. A forward without a backward (scoring under no_grad) leaves the root's
+        (embeddings, final norm, LM head) gathered, FSDP2 unshards a group only when it is sharded, and a step
+        changes the shards only: the next forward and an export would read the weights from before the step"""
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def export_weights(self, model, dtype: torch.dtype | None = None):
+        """Yield (name, full tensor) of each parameter in `dtype`, one at a time: a collective (`full_tensor`
+        all-gathers each, cast first: one whole parameter at most is on the device); every rank iterates to the end"""
+        self.reshard(model)  # the parameters are the shards again (not a forward's stale gathered copies)
+        for n, p in super().export_weights(model, dtype):
+            yield n, p.full_tensor() if isinstance(p, DTensor) else p
 
 # %% ../nbs/15_actor.ipynb #51911d3f
 @dataclass
@@ -218,6 +239,7 @@ class PolicyActor:
         backend: Backend | None = None,  # where the model trains: `TorchBackend()` (the default), `FSDP2Backend`, ...
         dp: DataParallel | None = None,  # shorthand for backend=FSDP2Backend(dp)
         shared_prefix: bool = True,  # rows sharing a prompt compute it once, in one process (`shared_prefix_logprobs`)
+        logprob_chunk: int = 1024,  # positions whose full-vocabulary logits exist at once (`ChunkedLogprobs`)
     ):
         if not temperature > 0:
             raise ValueError(
@@ -246,6 +268,8 @@ class PolicyActor:
         # FSDP2 frees a layer's gathered weights after each forward: a second forward before the backward (the rows'
         # tails after their prompts') leaves the first one's graph without them, so a sharded policy scores rows whole
         self.temperature, self.shared_prefix = temperature, shared_prefix and type(self.backend) is TorchBackend
+        self.logprob_chunk = logprob_chunk
+        self._replay_held = False  # `_replaying` is open (around a micro-batch's forward and backward)
         self.ref_model, self.teacher = [
             m.to(self.device).eval().requires_grad_(False) if m is not None else None for m in (ref_model, teacher)
         ]
@@ -309,6 +333,7 @@ def shared_prefix_logprobs(
     model,
     mb: Batch,
     temperature: float = 1.0,
+    chunk: int = 1024,  # positions whose full-vocabulary logits exist at once (`scoring_head`)
     **plan,  # `prefix_plan`'s at_most and min_saved
 ) -> Tensor | None:
     """(B, T-1) logprobs of `mb`'s next tokens with each distinct prefix (`prefix_plan`) computed once, exact on every
@@ -333,20 +358,96 @@ def shared_prefix_logprobs(
     cache.batch_select_indices(index)
     pos = L[:, None] + torch.arange(int((lengths - L).max()), device=dev)  # each row's positions from its prefix on
     tail = pos < lengths[:, None]
-    logits = model(
-        input_ids=mb.input_ids.gather(1, pos.clamp(max=T - 1)) * tail,
-        attention_mask=torch.cat([pmask[index], tail], 1),
-        position_ids=pos.clamp(max=T - 1),  # a tail's padding: within the rows' positions
-        use_cache=True,
-        **{kw: cache},
-    ).logits
     targets = mb.input_ids.gather(1, (pos + 1).clamp(max=T - 1))
-    lp = -F.cross_entropy((logits.float() / temperature).transpose(1, 2), targets, reduction='none')
+    with scoring_head(model, targets, temperature, chunk):
+        lp = model(
+            input_ids=mb.input_ids.gather(1, pos.clamp(max=T - 1)) * tail,
+            attention_mask=torch.cat([pmask[index], tail], 1),
+            position_ids=pos.clamp(max=T - 1),  # a tail's padding: within the rows' positions
+            use_cache=True,
+            **{kw: cache},
+        ).logits
     lp = torch.where(pos + 1 < lengths[:, None], lp, 0.0)
     # position t of the result scores token t+1: each row's tail goes to its own columns (the tail's padding past T-1)
     return torch.zeros(B, T - 1 + pos.shape[1], device=dev).scatter(1, pos, lp)[:, : T - 1]
 
 # %% ../nbs/15_actor.ipynb #42e173df
+def chunk_logits(
+    hidden: Tensor,  # (n, H) the head's input for n positions
+    weight: Tensor,  # (V, H) the LM head's weight
+    temperature: float,
+    banned: Tensor | None,  # token ids never sampled (a VLM's vision tokens): their logit is -inf
+) -> Tensor:
+    "(n, V) fp32 logits at the sampling temperature, as the full computation rounds them (the head's dtype, then fp32)"
+    logits = F.linear(hidden, weight).float() / temperature
+    return logits if banned is None else logits.index_fill_(-1, banned, float('-inf'))
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """Logprobs of `targets` (any shape, N tokens) under `chunk_logits(hidden, weight)` for `hidden` (N, H), `chunk`
+    positions at a time, forward and backward; shaped as `targets`"""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, banned):
+        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+        flat, targets = out.view(-1), targets.reshape(-1)
+        for s in range(0, len(targets), chunk):
+            logits = chunk_logits(hidden[s : s + chunk], weight, temperature, banned)
+            flat[s : s + chunk] = logits.gather(1, targets[s : s + chunk, None])[:, 0] - logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, targets, banned)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out  # not a view: FSDP's hooks ride on what a module returns
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, banned = ctx.saved_tensors
+        grad, (want_h, want_w) = grad.reshape(-1), ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for s in range(0, len(targets), ctx.chunk):
+            h, g = hidden[s : s + ctx.chunk], grad[s : s + ctx.chunk, None]
+            d = chunk_logits(h, weight, ctx.temperature, banned).softmax(-1).mul_(-g)  # d logp / d logits: -softmax
+            d.scatter_add_(1, targets[s : s + ctx.chunk, None], g)  # ... + onehot
+            d = d.div_(ctx.temperature).to(weight.dtype)
+            if want_h:
+                grad_h[s : s + ctx.chunk] = d @ weight
+            if want_w:
+                grad_w += (d.T @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+# %% ../nbs/15_actor.ipynb #5d42f4c2
+def output_head(model):
+    "The LM head of `model` (transformers' output embeddings, or the `lm_head` a custom model class has)"
+    head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
+    head = head if head is not None else getattr(model, 'lm_head', None)
+    if head is None or getattr(head, 'bias', None) is not None:
+        raise ValueError(f"{type(model).__name__}: no bias-free LM head (lm_head) to score tokens with")
+    return head
+
+
+@contextmanager
+def scoring_head(
+    model,
+    targets: Tensor,  # (B, L) the token each of the first L positions the head sees predicts
+    temperature: float,
+    chunk: int,  # positions whose full-vocabulary logits exist at once
+    banned: Tensor | None = None,  # token ids never sampled: logit -inf (their own logprob is masked by the caller)
+):
+    """Inside this block `model`'s forward returns, where it returned logits, the (B, L) fp32 logprobs of `targets`
+    (`ChunkedLogprobs`): its LM head computes them from its input's first L positions"""
+    head = output_head(model)
+
+    def logprobs(hidden: Tensor) -> Tensor:
+        h = hidden[:, : targets.shape[1]].reshape(targets.numel(), -1)
+        return ChunkedLogprobs.apply(h, head.weight, targets, temperature, chunk, banned)
+
+    head.forward = logprobs  # this instance only; nn.Module.__call__ (and FSDP's hooks on the root) call it
+    try:
+        yield
+    finally:
+        del head.forward
+
+# %% ../nbs/15_actor.ipynb #e3304663
 @patch
 def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
     """(b, t-1) logprobs of each next token under `model` (with a graph when grad is enabled), exact on action tokens
@@ -356,20 +457,17 @@ def _forward_logprobs(self: PolicyActor, model, mb: Batch) -> Tensor:
     vision = is_vision(model)
     replay = model is self.model and self.router is not None
     if self.shared_prefix and not vision and not replay:  # routing replay and images need the rows whole
-        lp = shared_prefix_logprobs(model, mb, self.temperature)
+        lp = shared_prefix_logprobs(model, mb, self.temperature, self.logprob_chunk)
         if lp is not None:
             return lp
     kw = vision_inputs(mb.input_ids, mb.attention_mask.sum(1), mb.images or [None] * len(mb)) if vision else {}
-    if replay:
-        with self.router.replaying(mb.routes, mb.attention_mask):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits[:, :-1]
-    else:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits[:, :-1]
-    logits, targets = logits.float() / self.temperature, mb.input_ids[:, 1:]
-    if not vision:
-        return -F.cross_entropy(logits.transpose(1, 2), targets, reduction='none')
-    banned = torch.tensor(vision_ids(model), device=logits.device)
-    lp = -F.cross_entropy(logits.index_fill(-1, banned, float('-inf')).transpose(1, 2), targets, reduction='none')
+    targets = mb.input_ids[:, 1:]
+    banned = torch.tensor(vision_ids(model), device=targets.device) if vision else None
+    routes = self._replaying(mb) if replay else nullcontext()
+    with routes, scoring_head(model, targets, self.temperature, self.logprob_chunk, banned):
+        lp = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **kw).logits
+    if banned is None:
+        return lp
     return lp.masked_fill(torch.isin(targets, banned), 0.0)  # an image's tokens are context, never sampled: not -inf
 
 
@@ -432,33 +530,55 @@ METRIC_KEYS = ('pg_loss', 'kl_loss', 'clip_fraction', 'ratio_mean')  # token-wei
 def _accumulate(self: PolicyActor, batch: Batch, adv: Tensor, rows: list | None = None) -> tuple:
     """Backward over this rank's micro-batches of `rows` (default all); the metrics (token-weighted) with the loss,
     the trainer's logprobs, and for MoE its (natural, used) routes, all of the whole batch (summed over ranks)"""
-    cfg, dev, rows = self.algo.loss, self.device, list(range(len(batch))) if rows is None else list(rows)
+    dev, rows = self.device, list(range(len(batch))) if rows is None else list(rows)
     old, routes = torch.zeros(batch.action_mask.shape, device=dev), self._empty_routes(batch)
-    denominator, k = loss_denominator(batch.action_mask, cfg), len(METRIC_KEYS)
-    sums = [0.0] * (2 * k + 1)  # token-weighted sum of each metric, micro-batches reporting it, then the loss
+    denominator = loss_denominator(batch.action_mask, self.algo.loss)
+    sums = [0.0] * (2 * len(METRIC_KEYS) + 1)  # token-weighted sum of each metric, micro-batches with it, the loss
     for part in self._micro_batches(batch, rows):
         mb = batch.select(part or rows[:1]).to(dev)
-        logp = self._forward_logprobs(self.model, mb)
-        if not part:  # nothing left on this rank: a zero-weight backward joins the group's gradient reduction
-            self._backward(logp.sum() * 0.0)
-            continue
-        t = mb.action_mask.shape[1]
-        if routes is not None:
-            for whole, used in zip(routes, self.router.last(tuple(mb.input_ids.shape))):
-                whole[part, : t + 1] = used
-        with torch.no_grad():
-            ref = self._forward_logprobs(self.ref_model, mb) if cfg.kl_coef > 0 else None
-        loss, m, _ = compute_loss(
-            logp, logp.detach(), adv[part][:, :t].to(dev), mb, cfg, self.version, ref, denominator
-        )
-        self._backward(loss)
-        old[part, :t] = logp.detach()
-        n = float(mb.action_mask.sum())
-        for i, key in enumerate(METRIC_KEYS):
-            if key in m:
-                sums[i], sums[k + i] = sums[i] + m[key] * n, sums[k + i] + 1
-        sums[-1] += float(loss.detach())
+        with self._replaying(mb):  # through the backward: a layer recomputed there routes as its forward did
+            self._micro_step(mb, part, adv, denominator, (old, routes, sums))
     return self._gathered(batch, rows, sums, old, routes)
+
+
+@patch
+def _micro_step(self: PolicyActor, mb: Batch, part: list, adv: Tensor, denominator, out: tuple):
+    "Forward and backward of micro-batch `mb` (rows `part` of the batch); its logprobs, routes and metric sums to `out`"
+    (old, routes, sums), cfg, k = out, self.algo.loss, len(METRIC_KEYS)
+    logp = self._forward_logprobs(self.model, mb)
+    if not part:  # nothing left on this rank: a zero-weight backward joins the group's gradient reduction
+        return self._backward(logp.sum() * 0.0)
+    t = mb.action_mask.shape[1]
+    if routes is not None:
+        for whole, used in zip(routes, self.router.last(tuple(mb.input_ids.shape))):
+            whole[part, : t + 1] = used
+    with torch.no_grad():
+        ref = self._forward_logprobs(self.ref_model, mb) if cfg.kl_coef > 0 else None
+    adv = adv[part][:, :t].to(self.device)
+    loss, m, _ = compute_loss(logp, logp.detach(), adv, mb, cfg, self.version, ref, denominator)
+    self._backward(loss)
+    old[part, :t] = logp.detach()
+    n = float(mb.action_mask.sum())
+    for i, key in enumerate(METRIC_KEYS):
+        if key in m:
+            sums[i], sums[k + i] = sums[i] + m[key] * n, sums[k + i] + 1
+    sums[-1] += float(loss.detach())
+
+
+@patch
+@contextmanager
+def _replaying(self: PolicyActor, mb: Batch):
+    """The policy replays `mb`'s routes (MoE) inside this block; entered once, so a block held around a forward and
+    its backward covers the layers activation checkpointing recomputes there (they would route afresh)"""
+    if self.router is None or self._replay_held:
+        yield
+        return
+    self._replay_held = True
+    try:
+        with self.router.replaying(mb.routes, mb.attention_mask):
+            yield
+    finally:
+        self._replay_held = False
 
 # %% ../nbs/15_actor.ipynb #43dbdbba
 @patch
@@ -519,6 +639,7 @@ def train_step(self: PolicyActor, batch: Batch) -> StepResult:
         self.opt.zero_grad(set_to_none=True)
         raise
     lr = self.opt.param_groups[0]['lr']
+    self.backend.reshard(self.model)  # a scoring forward since the backward (routing.compare) left weights gathered
     if norm.isfinite():  # else the update (and its lr schedule step) is skipped: the step counts, the weights stay
         self.opt.step()
         self.scheduler.step()
@@ -617,10 +738,18 @@ def _routing_metrics(
 
 # %% ../nbs/15_actor.ipynb #e23c51dc
 @patch
-def full_weights(self: PolicyActor) -> list | None:
-    """(name, full tensor) of each parameter, named as the engines load them (`Backend.export_weights`). In a trainer
-    group a collective: every rank calls it and only rank 0 gets the list, the others None"""
-    return self.backend.export_weights(self.model)
+def iter_weights(self: PolicyActor, dtype: torch.dtype | None = None):
+    """Yield (name, full tensor) of each parameter in `dtype` (None: as trained), named as the engines load them
+    (`Backend.export_weights`). In a trainer group a collective: every rank iterates it to its end"""
+    yield from self.backend.export_weights(self.model, dtype)
+
+
+@patch
+def full_weights(self: PolicyActor, dtype: torch.dtype | None = None) -> list | None:
+    """Every (name, full tensor) of `iter_weights` in a list; in a trainer group a collective: every rank calls it
+    and only rank 0 gets the list, the others None"""
+    items = list(self.iter_weights(dtype))
+    return items if self.backend.rank == 0 else None
 
 # %% ../nbs/15_actor.ipynb #90266b68
 def latest_checkpoint(root) -> Path | None:

@@ -12,7 +12,7 @@ from functools import cache
 import torch
 from torch import Tensor
 import torch.distributed as dist
-from .actor import DataParallel, FSDP2Backend
+from .actor import DataParallel, FSDP2Backend, sum_gradients
 from .routing import RouteReplay, RoutingConfig
 
 # %% ../nbs/15a_automodel.ipynb #28892490
@@ -155,7 +155,10 @@ def build_automodel(
         dtype=torch.float32,  # the master weights; the compute dtype is the MixedPrecisionPolicy's
         distributed_setup=setup,
         backend=backend,
-        moe_overrides=dict(enable_routing_replay=True),  # for MoE models; dense ones have no gate to record
+        # MoE models: gates that record and replay routes, and no load-balancing loss (AutoModel adds its gradient in
+        # training mode, Qwen3-MoE's router_aux_loss_coef: the RL loss would not be the one the actor computes); dense
+        # models have no gate and drop these
+        moe_overrides=dict(enable_routing_replay=True, aux_loss_coeff=0.0),
         local_files_only=True,
     )
     return model, setup
@@ -163,7 +166,8 @@ def build_automodel(
 # %% ../nbs/15a_automodel.ipynb #166bc7c1
 class AutoModelBackend(FSDP2Backend):
     """The policy built and sharded by NVIDIA AutoModel (FSDP2, TP/EP); the step, clipping over DTensors and the
-    checkpoints are `FSDP2Backend`'s, the routing replay AutoModel's, the exported names Hugging Face's"""
+    checkpoints are `FSDP2Backend`'s, the routing replay AutoModel's, the exported names Hugging Face's. A group of one
+    rank is still a group: the trainer joins a world-1 one (`molt_nb.loop.Trainer`)"""
 
     def __init__(
         self,
@@ -177,12 +181,19 @@ class AutoModelBackend(FSDP2Backend):
         require_automodel()
         if not dist.is_initialized():
             raise RuntimeError("AutoModelBackend shards over the trainer group: join it first (actor.join_group)")
+        from nemo_automodel.components.distributed.mesh_utils import get_flat_mesh
+
         self.model, setup = build_automodel(path, param_dtype, tp_size, ep_size, activation_checkpointing)
-        dp_mesh = setup.mesh_context.device_mesh['dp']  # ranks that see different rows
+        # the ranks that see different rows: 'dp' is a _flatten() of (dp_replicate, dp_shard), which torch deprecates
+        # slicing off the root mesh; AutoModel reads it with get_flat_mesh
+        dp_mesh = get_flat_mesh(setup.mesh_context.device_mesh, 'dp')
         super().__init__(DataParallel(dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh), checkpoint=checkpoint)
 
     def wrap(self, model):
-        return model  # AutoModel sharded it when it built it
+        # AutoModel sharded it when it built it, averaging gradients over the ranks (it never sets the divide
+        # factor; its own recipe multiplies the loss by the dp size instead): our loss already divides by the whole
+        # step's tokens, so every FSDP module it built must sum, as `shard_model`'s do
+        return sum_gradients(model)
 
     def route_replay(self, model, routing: RoutingConfig):
         if routing.freeze_router:
@@ -190,7 +201,7 @@ class AutoModelBackend(FSDP2Backend):
         has_gates = any(getattr(m, 'router_replay', None) is not None for m in model.modules())
         return AutoModelRouteReplay(model, routing.replay) if has_gates else None
 
-    def export_weights(self, model) -> list | None:
-        "A collective: `full_tensor` of each parameter on every rank; rank 0 gets them under Hugging Face names"
-        full = super().export_weights(model)
-        return None if full is None else hf_weights(model, full)
+    def export_weights(self, model, dtype: torch.dtype | None = None):
+        "Yield `FSDP2Backend.export_weights`' tensors one at a time, under Hugging Face names (a collective)"
+        for name, t in super().export_weights(model, dtype):
+            yield from hf_weights(model, [(name, t)])

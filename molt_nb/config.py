@@ -229,10 +229,14 @@ class ClusterConfig:
     trainer_python: str = ''
     # memory of each GPU in GB (1e9 bytes): `molt-nb plan` and `launch` check every GPU role's planned peak against it
     gpu_gb: float = 80.0
+    # most megabytes in one bucket of a weight sync (a larger tensor travels alone): each side holds at most two
+    bucket_mb: float = 64.0
 
     def __post_init__(self):
         if not self.gpu_gb > 0:
             raise ValueError(f"cluster.gpu_gb is {self.gpu_gb!r}: give each GPU's memory in GB, such as 80")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"cluster.bucket_mb is {self.bucket_mb!r}: give a bucket's size in megabytes, such as 64")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"cluster.transport is {self.transport!r}, expected one of {TRANSPORTS}")
         # what does not depend on the cluster's shape is checked now; the shape when the run is placed

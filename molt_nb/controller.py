@@ -13,6 +13,7 @@ import cloudpickle
 import pandas as pd
 from fastcore.basics import patch
 from .config import RunConfig, flatten_fields, load_config
+from .memory import check_memory
 from .recipe import check_recipe
 from .swaps import Swap, SwapRejected, make_swap
 from .steering import ENDED, NAMESPACE, RunActor, one_line
@@ -388,6 +389,7 @@ def launch(
     import ray
 
     cfg = config if isinstance(config, RunConfig) else load_config(config)
+    check_memory(cfg)  # every GPU role fits its GPU (molt_nb.memory), before Ray starts anything
     code = code or ('upload' if ray.is_initialized() and ray.util.client.ray.is_connected() else 'shared')
     # a broken recipe is named here, in seconds (a tiny stand-in model runs one rollout), not in the run's status later:
     # before Ray is touched, or, for a recipe that travels, where the run will run (with the cluster's model and data)

@@ -7,17 +7,17 @@ __all__ = ['EVAL_GRACE_S', 'Collected', 'StepOutput', 'Trainer', 'node_address',
            'StepBoundary', 'Orchestrator', 'eval_rewards', 'evaluate']
 
 # %% ../nbs/21_loop.ipynb #67a8a6d7
-import asyncio, copy, random, threading, time
+import asyncio, copy, random, time
 from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from fastcore.basics import patch
 from .core import Batch, SamplingParams, collate, first_diff, in_actor, settle_heap, value_at
 from .actor import BackwardError, FSDP2Backend, PolicyActor, TorchBackend, join_group, latest_checkpoint
-from .weight_sync import Manifest, WeightSender, free_port, join_transport_group, manifest_of
+from .weight_sync import Manifest, WeightSender, free_port, host_copy, join_transport_group, manifest_of
 from .router import TRANSPORT_TIMEOUT_S, EngineActor, Router
 from .pool import Failures, Pool, RunStopped, reason_of, traceback_of, within
-from .config import RunConfig, build_policy, policy_tokenizer, train_backend
+from .config import RunConfig, build_policy, local_checkpoint, policy_tokenizer, train_backend
 from .recipe import recipe_parts
 from .store import RunStore, sample_frame, token_columns
 from .trackers import sample_table, tracked_run, trackers_of
@@ -62,13 +62,14 @@ class Trainer:
         random.seed(cfg.loop.seed)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.busy_s, self.transport, self.actor = 0.0, None, None
-        self.snapshots = {}  # version -> the full weights (rank 0), kept for the weight sync of that version
-        self.snapshots_lock = threading.Lock()  # a sync reads them while the next step adds one (two threads)
+        # rank 0's one snapshot of the weights, in the engines' dtype in host memory (`snapshot`), and its version
+        self.weights, self.weights_version = None, None
         # a trainer actor whose weights go through Ray's object store puts each version there as it snapshots it
         self.presend = cfg.cluster.weight_transport == 'object_store' and in_actor()
-        if world_size == 1:
+        if world_size == 1 and train_backend(cfg) == 'automodel':  # AutoModel shards over a group, even of one
+            self.join_group('127.0.0.1', free_port())
+        elif world_size == 1:
             self.actor = self._policy_actor()
-            self.snapshot()
             settle_heap()
 
     def _policy_actor(self, dp=None) -> PolicyActor:
@@ -84,6 +85,7 @@ class Trainer:
             device=cfg.cluster.device,  # on a GPU actor, the GPU Ray gave it (the only one it sees)
             backend=backend,
             shared_prefix=cfg.train.shared_prefix,
+            logprob_chunk=cfg.train.logprob_chunk,
         )
 
     def _backend(self, dp) -> tuple:
@@ -93,10 +95,15 @@ class Trainer:
         if name == 'automodel':
             from molt_nb.automodel import AutoModelBackend
 
-            backend = AutoModelBackend(cfg.model.path, param_dtype=dtype)
+            # the checkpoint's directory, never the hub id: AutoModel reads config.json from the path it is given
+            path, recompute = str(local_checkpoint(cfg.model.path)), cfg.train.activation_checkpointing
+            backend = AutoModelBackend(path, param_dtype=dtype, activation_checkpointing=recompute)
             return backend, backend.model
         backend = TorchBackend() if name == 'torch' else FSDP2Backend(dp, param_dtype=dtype)
-        return backend, build_policy(cfg)[0]
+        model = build_policy(cfg)[0]
+        if cfg.train.activation_checkpointing:  # non-reentrant: the variant FSDP2's hooks run inside
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        return backend, model
 
     def train_step(self, batch: Batch, swaps: list = ()) -> StepOutput:
         "Install `swaps`, then take one optimizer step on `batch`"
@@ -116,7 +123,6 @@ class Trainer:
                 raise
             why = f"suspected of it, as the swapped {suspect} in use: {type(e).__name__}: {e}"
             return StepOutput(failed=[SwapFailed(suspect, in_use(algo, suspect), why)])
-        self.snapshot()
         out = StepOutput(res.metrics, self.actor.version, 0.0, token_columns(batch, res), res.routes)
         out.seconds = time.perf_counter() - start
         self.busy_s += out.seconds
@@ -147,7 +153,6 @@ class Trainer:
 
     def load(self, root: str) -> dict:
         extra = self.actor.load(root)
-        self.snapshot()
         return extra | dict(version=self.actor.version, step=self.actor.step)
 
     def state(self) -> dict:
@@ -175,7 +180,6 @@ def join_group(self: Trainer, host: str, port: int):
     if backend == 'nccl':
         torch.cuda.set_device(0)  # NCCL needs this process's device first: the one Ray made visible to it
     self.actor = self._policy_actor(join_group(self.rank, self.world_size, host, port, backend))
-    self.snapshot()
     settle_heap()
 
 
@@ -190,45 +194,59 @@ def transport_address(self: Trainer) -> tuple:
 def join_transport(self: Trainer, host: str, port: int, world_size: int):
     "Join the weight-transport group as its sender (rank 0; the other trainer ranks only gather)"
     if self.rank == 0:
+        self.leave_transport()
         backend = 'nccl' if self.cfg.cluster.device == 'cuda' else 'gloo'
         self.transport = join_transport_group(host, port, 0, world_size, backend, TRANSPORT_TIMEOUT_S)
 
 
 @patch
-def snapshot(self: Trainer):
-    """Keep the current weights for the sync of this version (in a group every rank gathers, rank 0 keeps them): the
-    sync runs while the next step trains, which changes the parameters in place"""
-    items = self.actor.full_weights()
-    if self.rank == 0:
-        owned = self.world_size > 1  # gathered tensors are already copies
-        items = [(n, t if owned else t.clone()) for n, t in items]
-        if self.presend:  # the object store's copy is the snapshot: put now, a sync only hands out the references
-            items = WeightSender('object_store').send(items, self.actor.version)
-        with self.snapshots_lock:
-            self.snapshots[self.actor.version] = items
-            # the loop may still ask for the two before (a sync re-sent to an engine replaced meanwhile)
-            for v in [v for v in self.snapshots if v < self.actor.version - 2]:
-                del self.snapshots[v]
+def leave_transport(self: Trainer):
+    "Abort the weight-transport group this rank is in, if any: a group rebuilt must not leave a communicator behind"
+    if self.transport is not None:
+        self.transport.close(abort=True)
+        self.transport = None
 
 
 @patch
-def _snapshot(self: Trainer, version: int) -> list:
-    "The weights of `version`"
-    with self.snapshots_lock:
-        if version not in self.snapshots:
-            raise KeyError(f"no weights of version {version} to send: the trainer keeps {sorted(self.snapshots)}")
-        return self.snapshots[version]
+def snapshot(self: Trainer):
+    """Copy the current weights, in the engines' dtype, into the trainer's one snapshot (rank 0's, in host memory;
+    every rank of a group gathers each parameter in turn, so at most one whole parameter is on a GPU at once). The loop
+    takes it after each step once the engines have loaded the one before (`Orchestrator._train`): a sync sends from
+    it while the next step changes the parameters in place"""
+    weights = self.actor.iter_weights(getattr(torch, self.cfg.rollout.dtype))
+    if self.rank:
+        for _ in weights:  # every rank takes part in each gather
+            pass
+        return
+    if self.presend:  # the object store's copy is the snapshot: put now, a sync only hands out the references
+        self.weights = None  # the last version's references go first
+        sender = WeightSender('object_store', bucket_mb=self.cfg.cluster.bucket_mb)
+        self.weights = sender.send(host_copy(weights), self.actor.version)
+    else:
+        self.weights = host_copy(weights, self.weights)
+    self.weights_version = self.actor.version
+
+
+@patch
+def _snapshot(self: Trainer, version: int):
+    "The snapshot, which must be of `version`"
+    if self.weights_version != version:
+        raise KeyError(
+            f"no weights of version {version} to send: the trainer's snapshot is of version {self.weights_version} "
+            "(the loop takes one after each step, once the engines have the one before)"
+        )
+    return self.weights
 
 
 @patch
 def weight_manifest(self: Trainer, version: int) -> Manifest | None:
     "What `send_weights('broadcast', version)` will send (no communication)"
-    return manifest_of(self._snapshot(version), version) if self.rank == 0 else None
+    return manifest_of(self._snapshot(version), version, self.cfg.cluster.bucket_mb) if self.rank == 0 else None
 
 
 @patch
 def send_weights(self: Trainer, kind: str, version: int) -> Manifest | None:
-    """Send the weights of `version` over transport `kind` (rank 0; others return None); the manifest the engines
+    """Send the snapshot of `version` over transport `kind` (rank 0; others return None); the manifest the engines
     receive with (for the object store it holds the references)"""
     if self.rank:
         return None
@@ -237,7 +255,13 @@ def send_weights(self: Trainer, kind: str, version: int) -> Manifest | None:
         if kind != 'object_store':
             raise ValueError(f"the trainer keeps its weights in Ray's object store; asked to send them by {kind!r}")
         return snap
-    return WeightSender(kind, self.transport if kind == 'broadcast' else None).send(snap, version)
+    try:
+        sender = WeightSender(kind, self.transport if kind == 'broadcast' else None, self.cfg.cluster.bucket_mb)
+        return sender.send(snap, version)
+    except Exception:
+        if kind == 'broadcast':  # the group is broken (a peer gone, a wait timed out): the router builds another
+            self.leave_transport()
+        raise
 
 # %% ../nbs/21_loop.ipynb #1308e5ee
 class TrainerGroup:
@@ -427,7 +451,8 @@ class Orchestrator:
         self.step = 0  # steps trained
         self.last_eval = None  # the last held-out evaluation
         self.pool, self.started, self.timed_out = None, None, False
-        self.fetching = None  # the weights of the step just trained, on their way to the engines (see `_train`)
+        # set while the engines have loaded the trainer's snapshot, which the next may then overwrite (see `_train`)
+        self.synced = asyncio.Event()
         self.eval_failures = Failures()
 
     async def call(self, name: str, *args):
@@ -520,7 +545,9 @@ async def _start(self: Orchestrator) -> dict:
         self.store.write_config(self.cfg)
     # a resumed run's trackers continue after its checkpoint's step (TensorBoard hides what came after it)
     self.trackers.begin(tracked_run(self.cfg, self.step, self.from_checkpoint))
+    await self.call('snapshot')
     await self.engine.sync_weights(self.call, self.transport, (await self.call('state'))['version'])
+    self.synced.set()
     return state
 
 
@@ -555,16 +582,18 @@ async def _next(self: Orchestrator, pool: Pool, version: int) -> tuple:
 
 @patch
 def _train(self: Orchestrator, work: Collected) -> asyncio.Task:
-    """Hand `work` to the boundary as the next step; a task resolving to the trainer's `StepOutput`. As soon as the step
-    has trained, its weights start on their way to the engines (`fetching`), while the loop collects the next batch"""
+    """Hand `work` to the boundary as the next step; a task resolving to the trainer's `StepOutput` once the trainer
+    has also snapshotted the step's weights. The trainer keeps one snapshot: in async mode this step trains while the
+    last one's sync sends from it, so the new one is taken once the engines have loaded it (`synced`)"""
 
     def train_step(batch, swaps):
         return self.call('train_step', batch, swaps)
 
     async def step() -> StepOutput:
         out = await self.boundary.train(self.step + 1, work, train_step)
-        if out.version > self.engine.version:  # a step that trained (not one a failed swap skipped)
-            self.fetching = asyncio.ensure_future(self.engine.fetch(self.call, self.transport, out.version))
+        await self.synced.wait()
+        self.synced.clear()
+        await self.call('snapshot')  # before the loop hands the trainer another step: the snapshot is this one's
         return out
 
     return asyncio.ensure_future(step())
@@ -572,22 +601,17 @@ def _train(self: Orchestrator, work: Collected) -> asyncio.Task:
 
 @patch
 async def _sync(self: Orchestrator, out: StepOutput):
-    """Bring the trainer's new weights to the engines while they decode (an engine that died is replaced first), then
-    pause them (async: draining what is in flight) to load; the sync report"""
-    fetching, self.fetching = self.fetching, None
-    await self.engine.revive()
-    # the pause (async: the running requests finish, no new one starts) overlaps what is left of the transfer
-    pausing = asyncio.ensure_future(self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async'))
+    """Load the trainer's snapshot of the step into the engines (an engine that died is replaced first): pause them
+    (async: draining what is in flight), stream the weights in, resume; the sync report"""
     try:
-        report = await fetching if fetching is not None else None
-        if report is None or self.engine.missing(out.version):  # an engine replaced since needs the weights too
-            report = await self.engine.fetch(self.call, self.transport, out.version)
-        await pausing
-        await self.engine.apply(out.version)
+        await self.engine.revive()
+        await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
+        try:
+            return await self.engine.sync_weights(self.call, self.transport, out.version)
+        finally:
+            await self.engine.resume()
     finally:
-        await asyncio.gather(pausing, return_exceptions=True)  # a resume must come after the pause it ends
-        await self.engine.resume()
-    return report
+        self.synced.set()  # the trainer may snapshot the next step (if this sync failed, the run ends with it)
 
 # %% ../nbs/21_loop.ipynb #e107e084
 @patch
@@ -614,7 +638,7 @@ def _metrics(
         time_collect=work.wait,
         time_train=out.seconds,
         time_sync=sync_s,
-        time_fetch=report.seconds,  # of time_sync, moving the weights (the engines decode meanwhile); the rest pauses
+        time_fetch=report.seconds,  # of time_sync, moving the weights into the engines (paused); the rest drains
         sync_mb=report.nbytes / 2**20,
         rollouts=float(len(trajectories)),
         samples_per_s=len(trajectories) / wall,

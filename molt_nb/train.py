@@ -20,6 +20,7 @@ from .chat import encode
 from .pool import RunStopped
 from .models import save_policy
 from .config import RunConfig, build_policy, load_config, policy_processor
+from .memory import check_memory
 from .recipe import check_recipe, recipe_parts, run_sync
 from .loop import eval_rewards
 from .controller import launch
@@ -269,6 +270,7 @@ def plot(metrics: pd.DataFrame, path):
 
 def train(cfg: RunConfig, with_control: bool = True, show: bool = True) -> pd.DataFrame:
     "The main job of a recipe; the summary table (also written to the run directory with the reward plot)"
+    check_memory(cfg)  # a GPU role that would not fit is refused before anything starts (molt_nb.memory)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     warm = None

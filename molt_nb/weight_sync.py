@@ -4,13 +4,14 @@
 
 # %% auto #0
 __all__ = ['ALIGN', 'TRANSPORTS', 'named_weights', 'Coverage', 'coverage', 'TensorSpec', 'BucketSpec', 'Manifest', 'manifest_of',
-           'pack', 'dtype_of', 'unpack', 'check_names', 'transport_kind', 'free_port', 'TransportGroup',
-           'join_transport_group', 'WeightSender', 'fetch_payload', 'fetch_broadcast', 'WeightReceiver', 'take_staged',
-           'SyncReport']
+           'pack', 'dtype_of', 'unpack', 'check_names', 'host_copy', 'transport_kind', 'free_port', 'TransportGroup',
+           'join_transport_group', 'WeightSender', 'fetch_bucket', 'fetch_broadcast', 'WeightReceiver', 'SyncReport']
 
 # %% ../nbs/14_weight_sync.ipynb #665508c4
 import datetime
+import os
 import socket
+import threading
 import warnings
 from dataclasses import dataclass, replace
 import torch
@@ -151,6 +152,21 @@ def check_names(
     "Raise naming a parameter the manifest would leave stale, or a name the target does not have"
     coverage(manifest.names, list(target_names)).check(where)
 
+# %% ../nbs/14_weight_sync.ipynb #1460fa06
+def host_copy(
+    weights,  # (name, tensor) pairs, on any device: an iterator is taken one tensor at a time
+    into: list | None = None,  # (name, host tensor) pairs to copy into where name, shape and dtype match
+) -> list:
+    "(name, host tensor) copies of `weights`, reusing `into`'s tensors (pinned memory on a machine with CUDA)"
+    kept, out = dict(into or []), []
+    for name, t in weights:
+        buf = kept.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        out.append((name, buf.copy_(t)))
+        del t  # before the next is made: one gathered (or cast) tensor at a time, not two
+    return out
+
 # %% ../nbs/14_weight_sync.ipynb #5e993911
 TRANSPORTS = ('inprocess', 'object_store', 'broadcast')
 
@@ -178,15 +194,41 @@ class TransportGroup:
     size: int  # 1 + the number of receivers
     device: torch.device  # where the group's buffers live
     store: object  # the TCPStore (kept alive: rank 0 serves it)
+    timeout_s: float = 300.0  # how long the host waits for one broadcast
 
     def broadcast(self, flat: Tensor):
-        "Start broadcasting `flat` from rank 0 into every rank's `flat`; returns the work to `wait()` on"
+        "Start broadcasting `flat` from rank 0 into every rank's `flat`; returns the work to `wait` on"
         return self.backend.broadcast(flat, 0)
 
-    def close(self):
+    def wait(self, work):
+        "Block this thread until `work` is done; raise after `timeout_s` (the group is then broken: close it)"
+        work.wait(datetime.timedelta(seconds=self.timeout_s))
+
+    def close(self, abort: bool = False):
         """Shut the group's backend down now (each rank, after its last broadcast), not in a destructor at interpreter
-        exit, where a gloo thread still running can abort the process"""
-        self.backend.shutdown()
+        exit, where a gloo thread still running can abort the process; `abort` cancels broadcasts still pending"""
+        self.backend.abort() if abort else self.backend.shutdown()
+
+# %% ../nbs/14_weight_sync.ipynb #1745caf1
+_NCCL_ENV = threading.Lock()  # the error-handling variable is process-wide: one group is built at a time
+
+
+def _nccl_group(store, rank: int, world_size: int, timeout_s: float):
+    "A ProcessGroupNCCL whose timed-out broadcast raises on the host instead of ending the process"
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=2 * timeout_s + 60)  # the host's wait fires first
+    with _NCCL_ENV:
+        before = os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING')
+        os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'] = '0'
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        finally:
+            if before is None:
+                os.environ.pop('TORCH_NCCL_ASYNC_ERROR_HANDLING')
+            else:
+                os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'] = before
 
 
 def join_transport_group(
@@ -200,19 +242,17 @@ def join_transport_group(
     "Join the weight-transport group; blocks until all `world_size` ranks have joined"
     import torch.distributed as dist
 
+    if backend not in ('gloo', 'nccl'):
+        raise ValueError(f"unknown backend {backend!r}: choose 'gloo' (CPU) or 'nccl' (CUDA)")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore('molt-weights', store)
     if backend == 'gloo':
-        return TransportGroup(
-            dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), rank, world_size, torch.device('cpu'), store
-        )
-    if backend == 'nccl':
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        return TransportGroup(group, rank, world_size, torch.device('cuda', torch.cuda.current_device()), store)
-    raise ValueError(f"unknown backend {backend!r}: choose 'gloo' (CPU) or 'nccl' (CUDA)")
+        group, device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device('cpu')
+    else:
+        group = _nccl_group(prefixed, rank, world_size, timeout_s)
+        device = torch.device('cuda', torch.cuda.current_device())
+    return TransportGroup(group, rank, world_size, device, store, timeout_s)
 
 # %% ../nbs/14_weight_sync.ipynb #0505ceea
 class WeightSender:
@@ -236,50 +276,50 @@ class WeightSender:
         "Send `items` (name, tensor) as `version`; the returned manifest is what receivers take"
         m, tensors = self.manifest(items, version), dict(items)
         if self.kind == 'inprocess':
-            return replace(m, payload=tuple(pack(b, tensors) for b in m.buckets))
+            return replace(m, payload=tuple(tuple((s.name, tensors[s.name]) for s in b.tensors) for b in m.buckets))
         if self.kind == 'object_store':
             import ray
 
             return replace(m, payload=tuple(ray.put(pack(b, tensors).cpu().numpy()) for b in m.buckets))
         in_flight = []  # (work, buffer): a buffer lives until its broadcast is done
         for b in m.buckets:
+            if len(in_flight) == 2:
+                self.group.wait(in_flight.pop(0)[0])
             flat = pack(b, tensors).to(self.group.device)
             in_flight.append((self.group.broadcast(flat), flat))
-            if len(in_flight) == 2:
-                in_flight.pop(0)[0].wait()
         for work, _ in in_flight:
-            work.wait()
+            self.group.wait(work)
         return m
 
 # %% ../nbs/14_weight_sync.ipynb #767bd5f2
-def fetch_payload(
+def fetch_bucket(
     manifest: Manifest,  # from an 'inprocess' or 'object_store' sender's `send`
-    device: torch.device,  # where the buffers go
+    k: int,  # which bucket
+    device: torch.device,  # where it goes
 ) -> list:
-    "The manifest's buffers, copied onto `device` (Ray's are read-only shared memory)"
+    "Bucket `k` of the manifest's payload on `device`, as (name, tensor) (Ray's copied out of its read-only memory)"
     if manifest.payload is None or len(manifest.payload) != len(manifest.buckets):
         raise ValueError("this manifest needs one payload entry per bucket: pass the one `WeightSender.send` returned")
-    if all(isinstance(p, Tensor) for p in manifest.payload):
-        return [flat.to(device) for flat in manifest.payload]
+    entry = manifest.payload[k]
+    if isinstance(entry, tuple):  # in process: the sender's tensors themselves
+        return [(name, t.to(device)) for name, t in entry]
     import ray
 
-    flats = []
-    for array in ray.get(list(manifest.payload)):
-        with warnings.catch_warnings():  # torch warns that the array is read-only; we only read it
-            warnings.simplefilter('ignore', UserWarning)
-            flats.append(torch.empty(array.nbytes, dtype=torch.uint8, device=device).copy_(torch.from_numpy(array)))
-    return flats
+    array = ray.get(entry)
+    with warnings.catch_warnings():  # torch warns that the array is read-only; it is only read
+        warnings.simplefilter('ignore', UserWarning)
+        flat = torch.empty(array.nbytes, dtype=torch.uint8, device=device).copy_(torch.from_numpy(array))
+    return unpack(manifest.buckets[k], flat)
 
 
 def fetch_broadcast(
-    manifest: Manifest,  # from the sender's `manifest`
+    bucket: BucketSpec,  # the bucket the sender broadcasts next
     group: TransportGroup,  # this receiver's rank of the group
 ) -> list:
-    "Every bucket of `manifest`, broadcast from rank 0 into fresh buffers on the group's device"
-    flats = [torch.empty(b.nbytes, dtype=torch.uint8, device=group.device) for b in manifest.buckets]
-    for work in [group.broadcast(flat) for flat in flats]:
-        work.wait()
-    return flats
+    "The bucket, broadcast from rank 0 into a fresh buffer on the group's device, as (name, tensor)"
+    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+    group.wait(group.broadcast(flat))
+    return unpack(bucket, flat)
 
 # %% ../nbs/14_weight_sync.ipynb #154d80a3
 class WeightReceiver:
@@ -296,35 +336,31 @@ class WeightReceiver:
             raise ValueError(f"transport {kind!r}: 'broadcast' takes a receiver rank (>= 1) of a group, others none")
         self.device = group.device if group is not None else torch.device(device)
 
-    def receive(
+    def buckets(
         self,
         manifest: Manifest,  # what the sender's `send` (or, for 'broadcast', its `manifest`) returned
         target_names: list | None = None,  # this side's parameter names: coverage is checked against them
         where: str = 'the engine',  # who receives, for error messages
-    ) -> list:
-        "(name, tensor) for every sent tensor, on this receiver's device, dtypes as sent"
-        check = (lambda: check_names(manifest, target_names, where)) if target_names is not None else (lambda: None)
-        if self.kind == 'broadcast':
-            flats = fetch_broadcast(manifest, self.group)
-            check()
-        else:
-            check()
-            flats = fetch_payload(manifest, self.device)
-        return [nt for b, flat in zip(manifest.buckets, flats) for nt in unpack(b, flat)]
+    ):
+        "Yield each bucket's (name, tensor) list in send order, on this receiver's device, dtypes as sent"
+        cover = coverage(manifest.names, list(target_names)) if target_names is not None else Coverage([], [])
+        refused = bool(cover.stale or cover.unknown)
+        if refused and self.kind != 'broadcast':
+            cover.check(where)
+        for k, b in enumerate(manifest.buckets):
+            if self.kind == 'broadcast':
+                items = fetch_broadcast(b, self.group)
+            else:
+                items = fetch_bucket(manifest, k, self.device)
+            if not refused:
+                yield items
+        cover.check(where)  # a refused broadcast raises after its last bucket: the group stays in step
 
-# %% ../nbs/14_weight_sync.ipynb #441674af
-def take_staged(
-    staged: dict,  # version -> weights staged for it (by whatever form the receiver keeps)
-    version: int,  # the version to load now
-    where: str = 'engine',  # who loads, for the message
-) -> tuple:
-    """(the weights staged for `version`, what stays staged: the later versions only). Weights are staged by version
-    because the loop fetches N+1 as soon as it has trained, possibly before N is loaded"""
-    if version not in staged:
-        raise RuntimeError(f"{where}: no staged weights of version {version} to load (staged: {sorted(staged)})")
-    return staged[version], {v: w for v, w in staged.items() if v > version}
+    def receive(self, manifest: Manifest, target_names: list | None = None, where: str = 'the engine') -> list:
+        "Every bucket of `buckets(...)` at once, (name, tensor) in send order: for small models and tests"
+        return [nt for items in self.buckets(manifest, target_names, where) for nt in items]
 
-
+# %% ../nbs/14_weight_sync.ipynb #c721a054
 @dataclass
 class SyncReport:
     "What one weight sync did"

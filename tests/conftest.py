@@ -17,10 +17,16 @@ def ray_local(tmp_path_factory):
 
 @pytest.fixture
 def no_checkpoint(monkeypatch):
-    "Validation must not resolve the model: any attempt to read the checkpoint fails the test"
-    from molt_nb import config as config_module
+    """Validation must not resolve the model: any attempt to read the checkpoint fails the test. The memory plan
+    (`molt-nb plan`) finds no checkpoint on this machine, as on a laptop planning for a cluster, and reads the
+    recipe's model_config.json"""
+    from molt_nb import config as config_module, memory
 
     def refuse(path):
         raise AssertionError(f"validation tried to read the checkpoint {path!r}")
 
+    def absent(path):
+        raise ValueError(f"model.path {path!r} is not in this machine's Hugging Face cache (no_checkpoint)")
+
     monkeypatch.setattr(config_module, 'local_checkpoint', refuse)
+    monkeypatch.setattr(memory, 'local_checkpoint', absent)

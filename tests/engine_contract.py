@@ -176,8 +176,8 @@ async def routes_cover_every_token(engine, p: Policy) -> dict:
 
 
 async def broadcast_sync_equals_a_fresh_engine(engine, fresh, p: Policy, new: dict, backend: str = 'gloo') -> dict:
-    """Weights broadcast over a transport group (the trainer's rank 0 here) and loaded between requests make the
-    engine's greedy turns those of an engine started on the same weights"""
+    """Weights broadcast over a transport group (the trainer's rank 0 here), each bucket loaded as it arrives into the
+    paused engine, make the engine's greedy turns those of an engine started on the same weights"""
     v = engine.version + 1
     port, sender = free_port(), None
     joined = asyncio.ensure_future(engine.join('127.0.0.1', port, 1, 2, backend, 60))
@@ -186,10 +186,10 @@ async def broadcast_sync_equals_a_fresh_engine(engine, fresh, p: Policy, new: di
     sender = WeightSender('broadcast', group, bucket_mb=0.25)  # several buckets
     items = list(new.items())
     manifest = sender.manifest(items, v)
-    await asyncio.gather(engine.receive(manifest, 'broadcast'), asyncio.to_thread(sender.send, items, v))
     await engine.pause(drain=True)
-    await engine.load_staged(v)
+    await asyncio.gather(engine.take(manifest, 'broadcast'), asyncio.to_thread(sender.send, items, v))
     await engine.resume()
+    group.close()
     greedy = SamplingParams(temperature=0, max_tokens=10)
     mine = [await engine.generate(q, greedy) for q in PROMPTS]
     theirs = [await fresh.generate(q, greedy) for q in PROMPTS]

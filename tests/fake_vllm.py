@@ -36,8 +36,18 @@ class SamplingParams:
         self.__dict__.update(kw)
 
 
+# every field of the real vllm.AsyncEngineArgs of the pinned vLLM (read from its wheel by cluster/pinned_api.py)
+PINNED_API = Path(__file__).parents[1] / 'cluster' / 'pinned_api.json'
+ENGINE_FIELDS = set(json.loads(PINNED_API.read_text())['symbols']['vllm.AsyncEngineArgs']['fields'])
+
+
 class AsyncEngineArgs:
+    "Takes exactly the fields of the pinned vLLM's, as the real dataclass does"
+
     def __init__(self, **kw):
+        unknown = set(kw) - ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"AsyncEngineArgs.__init__() got unexpected keyword arguments {sorted(unknown)}")
         self.__dict__.update(kw)
         self.kw = kw
 
@@ -70,6 +80,10 @@ class Model:
         return {n for n, _ in items}
 
 
+class RetryableRequestError(Exception):
+    "vLLM 0.33's error for a request it refuses while paused ('abort' and 'wait' modes): `vllm.exceptions`"
+
+
 class AsyncLLM:
     def __init__(self, args: AsyncEngineArgs):
         from molt_nb.engine import TorchEngine
@@ -87,6 +101,7 @@ class AsyncLLM:
         extension = getattr(__import__(module, fromlist=[name]), name)
         self.worker = type('ExtendedWorker', (Worker, extension), {})(self.engine)
         self.tasks, self.calls, self.label = {}, [], None  # label: the weight version vLLM stamps tokens with
+        self.rejecting = False  # as vLLM 0.33 while paused in 'abort' or 'wait' mode: new requests raise
         self.args = args.kw  # what the engine was started with
 
     @classmethod
@@ -98,6 +113,8 @@ class AsyncLLM:
         from molt_nb.models import moe_gates
 
         assert params.given == set(SAMPLING_FIELDS), set(SAMPLING_FIELDS) - params.given
+        if self.rejecting:
+            raise RetryableRequestError('Generation is paused. Please retry after it resumes.')
         assert params.logprobs == 0 and params.ignore_eos and params.output_kind is RequestOutputKind.FINAL_ONLY
         sp = Ours(
             temperature=params.temperature,
@@ -142,6 +159,16 @@ class AsyncLLM:
 
     async def update_weight_version(self, version: str):
         self.label = version
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(('reset_prefix_cache', reset_running_requests))
+        return True
+
+    async def reset_mm_cache(self):
+        self.calls.append(('reset_mm_cache',))
+
+    async def reset_encoder_cache(self):
+        self.calls.append(('reset_encoder_cache',))
 
     async def pause_generation(self, mode: str = 'abort', **kw):
         assert mode in ('wait', 'keep', 'abort'), mode
@@ -193,6 +220,8 @@ def stub() -> types.ModuleType:
     vllm.v1.engine = types.ModuleType('vllm.v1.engine')
     vllm.v1.engine.async_llm = types.ModuleType('vllm.v1.engine.async_llm')
     vllm.v1.engine.async_llm.AsyncLLM = AsyncLLM
+    vllm.exceptions = types.ModuleType('vllm.exceptions')
+    vllm.exceptions.RetryableRequestError = RetryableRequestError
     return vllm
 
 
@@ -206,6 +235,7 @@ def modules() -> dict:
         'vllm.v1.engine': v.v1.engine,
         'vllm.v1.engine.async_llm': v.v1.engine.async_llm,
         'vllm.config': v.config,
+        'vllm.exceptions': v.exceptions,
         'vllm.model_executor': types.ModuleType('vllm.model_executor'),
         'vllm.model_executor.model_loader': types.ModuleType('vllm.model_executor.model_loader'),
         'vllm.model_executor.model_loader.reload': v.reload,

@@ -150,3 +150,24 @@ def test_the_cluster_rig_runs_the_checks_on_ray_actors(ray_local, tmp_path):
     assert s['weight_sync']['version'] == 1 and len(list((tmp_path / 'weights').iterdir())) == 1
     assert math.isfinite(s['throughput']['checks'][0]['value']), s['throughput']  # on 2 busy cores, not its goal
     assert s['r3']['passed'] is None
+
+
+def test_a_model_one_gpu_cannot_train_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """The smoke trains one fp32 rank: Qwen3-8B (its config, from recipes/gsm8k) plans 152 GB and is refused with the
+    role and the component before Ray or an engine starts (gpu-review D8: the documented smoke could not pass on an 80
+    GB GPU); Qwen3-1.7B's shapes fit"""
+    import huggingface_hub.constants
+
+    for hub, recipe in (('Qwen/Qwen3-8B', 'gsm8k'), ('Qwen/Qwen3-1.7B', 'gsm8k_1gpu')):
+        snapshot = tmp_path / 'hub' / f"models--{hub.replace('/', '--')}" / 'snapshots' / 'x'
+        snapshot.mkdir(parents=True)
+        table = json.loads((ROOT / 'recipes' / recipe / 'model_config.json').read_text())
+        (snapshot / 'config.json').write_text(json.dumps(table[hub]))
+        (snapshot.parents[1] / 'refs').mkdir()
+        (snapshot.parents[1] / 'refs' / 'main').write_text('x')
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(tmp_path / 'hub'))
+    monkeypatch.setenv('VLLM_BATCH_INVARIANT', '1')  # main sets it for the engines it would start
+    monkeypatch.setattr(smoke, 'ray_rig', lambda *a, **kw: pytest.fail('a rig was built for a plan that does not fit'))
+    with pytest.raises(SystemExit, match=r'(?s)Qwen/Qwen3-8B does not fit.*trainer 0 plans 15\d\.\d GB.*optimizer'):
+        smoke.main(['--dense', 'Qwen/Qwen3-8B', '--report', str(tmp_path / 'r.json')])
+    smoke.fits(smoke.smoke_config('Qwen/Qwen3-1.7B', 'cuda', tokens=160))

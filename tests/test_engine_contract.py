@@ -133,9 +133,13 @@ def test_engine_args_pin_what_exactness_needs():
 
     args = engine_args('/m', routes=True, tensor_parallel_size=2)
     assert {k: args[k] for k in PINNED_ARGS} == PINNED_ARGS and args['enable_return_routed_experts']
-    for clash in (dict(enable_prefix_caching=True), dict(logprobs_mode='raw_logprobs')):
+    # vLLM 0.33 refuses routed experts without the prefix cache (gpu-review D3); inside a placement group a TP engine
+    # without 'mp' gets vLLM's Ray executor, which waits for GPUs the run holds (D4)
+    assert args['enable_prefix_caching'] and args['distributed_executor_backend'] == 'mp'
+    clashes = (dict(enable_prefix_caching=False), dict(logprobs_mode='raw_logprobs'))
+    for clash in (*clashes, dict(distributed_executor_backend='ray')):
         with pytest.raises(ValueError, match='remove them'):
-            engine_args('/m', extra=clash)
+            engine_args('/m', tensor_parallel_size=2, extra=clash)
     with pytest.raises(ValueError, match='tensor_parallel_size from cluster.engine_gpus'):
         engine_args('/m', extra=dict(tensor_parallel_size=4))  # the router would lay the weight group out for 1
 
@@ -165,22 +169,46 @@ def test_every_module_imports_without_vllm_or_automodel():
     importlib.import_module('molt_nb.vllm_engine')  # and here, where the test process has none either
 
 
-def test_vllm_stages_the_next_version_before_this_one_loads(dense, stub):
-    "The loop fetches N+1 as soon as it has trained, possibly before N is loaded: both stay staged, in order"
+def test_vllm_takes_weights_bucket_by_bucket_then_drops_what_the_old_weights_computed(dense, stub):
+    """One in-place reload across the buckets, each handed over as it is fetched (never the whole model at once); after
+    it the prefix cache (and with it vLLM's stored routes), the multimodal and the encoder caches are reset, then the
+    version label set (gpu-review D3, D13: none was reset after a load, so KV and routes computed by the old weights
+    could be reused)"""
     from molt_nb.weight_sync import WeightSender
 
     async def go():
         engine = start('vllm-fake', dense)
         try:
-            for v, seed in ((1, 1), (2, 2)):
-                items = list(contract.perturbed(dense, seed=seed).items())
-                await engine.receive(WeightSender('inprocess').send(items, v), 'inprocess')
+            manifest = WeightSender('inprocess', bucket_mb=0.25).send(list(contract.perturbed(dense).items()), 1)
             await engine.pause(drain=True)
-            await engine.load_staged(1)
-            await engine.load_staged(2)
+            engine.llm.calls.clear()
+            await engine.take(manifest, 'inprocess')
             await engine.resume()
-            g = await engine.generate([1, 2, 3], SamplingParams(max_tokens=4))
-            assert set(g.versions.tolist()) == {2} and engine.staged == {}
+            rpcs = [c[1] for c in engine.llm.calls if c[0] == 'rpc']
+            assert len(manifest.buckets) > 2
+            assert rpcs == ['molt_begin', *['molt_bucket'] * len(manifest.buckets), 'molt_end'], rpcs
+            after = [c for c in engine.llm.calls if c[0] not in ('rpc', 'resume')]
+            assert after == [('reset_prefix_cache', True), ('reset_mm_cache',), ('reset_encoder_cache',)], after
+            assert engine.llm.label == '1' and engine.version == 1
+        finally:
+            engine.close()
+
+    asyncio.run(go())
+
+
+def test_vllm_turns_a_request_refused_while_paused_into_an_abort(dense, stub):
+    """vLLM 0.33 refuses a request that reaches it during an 'abort' or 'wait' pause with RetryableRequestError: the
+    rollout must start again (the project's RolloutAborted), not count as a failed one (gpu-review D12)"""
+    from molt_nb.agents import RolloutAborted
+
+    async def go():
+        engine = start('vllm-fake', dense)
+        try:
+            engine.llm.rejecting = True
+            with pytest.raises(RolloutAborted, match='refused request .* while paused'):
+                await engine.generate([1, 2, 3], SamplingParams(max_tokens=4))
+            engine.llm.rejecting = False
+            assert len(await engine.generate([1, 2, 3], SamplingParams(max_tokens=4))) == 4
         finally:
             engine.close()
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / 'recipes'
 GPU_RECIPES = {  # recipe: (model, the cluster it is written for, layout, trainer ranks, engines x GPUs)
     'gsm8k': ('Qwen/Qwen3-8B', (2, 8), 'split', 8, (8, 1)),
-    'gsm8k_moe': ('Qwen/Qwen3-30B-A3B', (2, 8), 'split', 8, (4, 2)),
+    'gsm8k_moe': ('Qwen/Qwen3-30B-A3B', (2, 8), 'split', 10, (3, 2)),
     'gsm8k_1gpu': ('Qwen/Qwen3-1.7B', (1, 1), 'colocated', 1, (1, 1)),
 }
 
@@ -77,11 +77,12 @@ def test_the_dense_recipe_fills_one_node_with_trainers_and_the_other_with_engine
     print(out)
 
 
-def test_the_moe_recipe_puts_four_tensor_parallel_engines_on_the_second_node(capsys, no_checkpoint):
+def test_the_moe_recipe_puts_three_tensor_parallel_engines_beside_two_trainer_ranks(capsys, no_checkpoint):
+    "10 trainer ranks (8 would plan 80.7 GB a GPU: tests/test_memory_plan.py) fill node 0 and two GPUs of node 1"
     placed, out = planned(capsys, 'gsm8k_moe', 2, 8)
-    assert [(s.node, s.gpus) for s in placed.trainers] == [(0, (g,)) for g in range(8)]
-    assert [(s.node, s.gpus) for s in placed.engines] == [(1, (2 * e, 2 * e + 1)) for e in range(4)]
-    assert 'node 1: 4 engines (0-3) on GPUs 0-7' in out
+    assert [(s.node, s.gpus) for s in placed.trainers] == [(0, (g,)) for g in range(8)] + [(1, (0,)), (1, (1,))]
+    assert [(s.node, s.gpus) for s in placed.engines] == [(1, (2 * e + 2, 2 * e + 3)) for e in range(3)]
+    assert 'node 1: 2 trainers (8-9) on GPUs 0-1, 3 engines (0-2) on GPUs 2-7' in out
     print(out)
 
 
@@ -99,7 +100,7 @@ def test_the_one_gpu_recipe_shares_its_gpu(capsys, no_checkpoint):
             'gsm8k_moe',
             1,
             8,
-            'the plan needs 16 GPUs (8 trainer ranks x 1 + 4 engines x 2), the cluster has 8 (1 node x 8)',
+            'the plan needs 16 GPUs (10 trainer ranks x 1 + 3 engines x 2), the cluster has 8 (1 node x 8)',
         ),
         ('gsm8k_moe', 8, 1, "engine_gpus=2, but the widest node has 1 GPUs"),
         ('gsm8k_1gpu', 1, 0, 'the widest node has 0 GPUs'),

@@ -18,6 +18,7 @@ from molt_nb.config import AlgoConfig, OptimConfig
 from molt_nb.core import Batch, collate
 from molt_nb.golden import golden_trajectories
 from molt_nb.models import build_tokenizer, tiny_dense, tiny_moe
+from molt_nb.routing import RoutingConfig
 
 WORLD = 2
 KINDS = ('dense', 'moe')
@@ -54,12 +55,16 @@ def shared_batch() -> Batch:
     )
 
 
-def make_actor(kind: str, dp=None, **backend) -> PolicyActor:
-    "The actor of each test; `backend` options build an `FSDP2Backend` over `dp` (plain `dp=` otherwise)"
+def make_actor(kind: str, dp=None, routing=RoutingConfig(), recompute=False, **backend) -> PolicyActor:
+    """The actor of each test; `backend` options build an `FSDP2Backend` over `dp` (plain `dp=` otherwise); `recompute`:
+    activation checkpointing (train.activation_checkpointing)"""
     model = (tiny_dense if kind == 'dense' else tiny_moe)(build_tokenizer())
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     # grad_clip below the step's norm (~1.8): a rank clipping by its own shard's norm would change the update
     fsdp2 = dict(backend=FSDP2Backend(dp, **backend)) if backend else dict(dp=dp)
-    return PolicyActor(model, AlgoConfig(), OptimConfig(grad_clip=1.0), micro_batch_rows=2, version=5, **fsdp2)
+    opt = OptimConfig(grad_clip=1.0)
+    return PolicyActor(model, AlgoConfig(), opt, micro_batch_rows=2, version=5, routing=routing, **fsdp2)
 
 
 def full_grads(actor: PolicyActor, batch) -> dict:
@@ -101,6 +106,7 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     adv = a.advantages(batch)
     out['micro_batches'] = a._micro_batches(batch, a.live_rows(batch, adv))
     out['grads'] = full_grads(a, batch)
+    out['recomputed_grads'] = full_grads(make_actor(kind, dp, recompute=True), batch)
     out['step1'] = summary(a.train_step(batch))
     out['weights1'] = named(a)
     out['optimizer1'] = copy.deepcopy(a.backend._full_state(a)[1])  # on CPU its tensors are the live state
@@ -113,6 +119,7 @@ def run_kind(kind: str, dp: DataParallel, root: Path) -> dict:
     out['rng_loaded'] = torch.get_rng_state()
     out['optimizer_loaded'] = copy.deepcopy(b.backend._full_state(b)[1])
     out['step2_resumed'], out['weights2_resumed'] = summary(b.train_step(batch)), named(b)
+    out['compare'] = run_compare(kind, dp)
     out['dcp'] = run_dcp(kind, dp, root / f"{kind}-dcp")
     out['bf16'] = run_bf16(kind, dp)
     if kind == 'dense':  # MoE policies replay routes, scoring rows whole
@@ -138,6 +145,15 @@ def run_dcp(kind: str, dp: DataParallel, root: Path) -> dict:
     out |= dict(extra=b.load(root), state=(b.step, b.version), rng_loaded=torch.get_rng_state())
     out |= dict(step2_resumed=summary(b.train_step(batch)), weights2_resumed=named(b))
     out['optimizer2_resumed'] = copy.deepcopy(b.backend._full_state(b)[1])
+    return out
+
+
+def run_compare(kind: str, dp: DataParallel | None = None) -> dict:
+    """Two steps of a policy that also scores its rows with live routing (MoE `routing.compare`: a forward without a
+    backward, after the step's backward), and the weights each leaves"""
+    a, batch, out = make_actor(kind, dp, routing=RoutingConfig(compare=True)), golden_batch(), {}
+    for step in (1, 2):
+        out[f'step{step}'], out[f'weights{step}'] = summary(a.train_step(batch)), named(a)
     return out
 
 
@@ -200,7 +216,7 @@ def single():
         state0 = {n: t.clone() for n, t in a.model.state_dict().items()}
         grads = full_grads(a, batch)
         out[kind] = dict(state0=state0, grads=grads, step1=summary(a.train_step(batch)), weights1=named(a))
-        out[kind] |= dict(step2=summary(a.train_step(batch)), weights2=named(a))
+        out[kind] |= dict(step2=summary(a.train_step(batch)), weights2=named(a), compare=run_compare(kind))
     a = make_actor('dense')
     a.micro_batch_rows, a.shared_prefix = 16, False  # every row whole: the reference
     out['dense']['whole_grads'] = full_grads(a, shared_batch())
@@ -239,6 +255,13 @@ def test_gradients_equal_one_process(group, single, kind):
         assert_close(grads, ref, **TIGHT)
 
 
+@pytest.mark.parametrize('kind', KINDS)
+def test_activation_checkpointing_keeps_the_gradient_in_a_group(group, single, kind):
+    "Layers recomputed in the backward (FSDP2 gathering them again, MoE routes replayed again): the same gradient"
+    for rank in range(WORLD):
+        assert_close(group[rank][kind]['recomputed_grads'], single[kind]['grads'], **TIGHT)
+
+
 def test_fsdp2_scores_rows_that_share_prompts_whole(group, single):
     """Rows whose prompts one process would score once (`shared_prefix`): a sharded policy scores them whole (FSDP2
     frees a layer's gathered weights after each forward, and the prompt's forward would lose them: the backward
@@ -267,6 +290,19 @@ def test_step_equals_one_process(group, single, kind):
     assert list(group[0][kind]['weights1']) == list(single[kind]['weights1'])  # the names the engines load
     assert_close(group[0][kind]['weights1'], single[kind]['weights1'], **TIGHT)
     assert_close(group[0][kind]['weights2'], single[kind]['weights2'], **TIGHT)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_a_scoring_forward_after_the_backward_leaves_no_weight_stale(group, single, kind):
+    """A forward without a backward (MoE `routing.compare` scores the rows again with live routing, after the step's
+    backward) leaves FSDP2's root gathered; the step changes only the shards, so without a reshard the next step and the
+    exported weights read the embeddings, norm and head from before it (found running AutoModel on CPU: the export
+    and step 2 differed from one process)"""
+    for rank in range(WORLD):
+        for step in ('step1', 'step2'):
+            assert_same_step(group[rank][kind]['compare'][step], single[kind]['compare'][step], **TIGHT)
+    for w in ('weights1', 'weights2'):
+        assert_close(group[0][kind]['compare'][w], single[kind]['compare'][w], **TIGHT)
 
 
 @pytest.mark.parametrize('kind', KINDS)
