@@ -205,3 +205,4 @@ class AutoModelBackend(FSDP2Backend):
         "Yield `FSDP2Backend.export_weights`' tensors one at a time, under Hugging Face names (a collective)"
         for name, t in super().export_weights(model, dtype):
             yield from hf_weights(model, [(name, t)])
+            del t  # before the next is gathered: one whole parameter at a time, not two

@@ -605,10 +605,10 @@ async def _sync(self: Orchestrator, out: StepOutput):
     (async: draining what is in flight), stream the weights in, resume; the sync report"""
     try:
         await self.engine.revive()
-        await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
         try:
+            await self.engine.pause(keep=True, drain=self.cfg.loop.mode == 'async')
             return await self.engine.sync_weights(self.call, self.transport, out.version)
-        finally:
+        finally:  # also after a pause that failed on one engine: the others are paused
             await self.engine.resume()
     finally:
         self.synced.set()  # the trainer may snapshot the next step (if this sync failed, the run ends with it)

@@ -8,12 +8,13 @@ __all__ = ['FP32', 'RUNNER_MAX_CONTEXT', 'RUNTIME_BYTES', 'TRAINER_ESTIMATES', '
            'meta_policy', 'TextShape', 'text_shape', 'PolicyShapes', 'engine_tensors', 'policy_shapes', 'shapes_of',
            'shard_numel', 'trainer_state', 'dtype_bytes', 'layer_numels', 'unsharded_bytes', 'logits_bytes',
            'layer_activation_bytes', 'activation_bytes', 'row_tokens', 'micro_batch_rows', 'snapshot_bytes',
-           'transfer_bytes', 'snapshot_gather_bytes', 'frozen_names', 'trainer_components', 'kv_token_bytes',
-           'vllm_profile_bytes', 'VLLMBudget', 'vllm_budget', 'RolePlan', 'vllm_worker', 'engine_worker', 'gb',
-           'MemoryPlan', 'alike', 'overflow', 'gpu_roles', 'placed_roles', 'memory_plan', 'check_memory']
+           'transfer_bytes', 'send_bytes', 'snapshot_gather_bytes', 'frozen_names', 'trainer_components',
+           'kv_token_bytes', 'vllm_profile_bytes', 'VLLMBudget', 'vllm_budget', 'RolePlan', 'vllm_module',
+           'reload_bytes', 'vllm_worker', 'engine_worker', 'gb', 'MemoryPlan', 'alike', 'overflow', 'gpu_roles',
+           'placed_roles', 'memory_plan', 'check_memory']
 
 # %% ../nbs/14a_memory.ipynb #baeaea77
-import functools, json, math
+import functools, json, math, re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import pandas as pd
@@ -235,6 +236,11 @@ def transfer_bytes(cfg: RunConfig) -> int:
     return max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
 
 
+def send_bytes(cfg: RunConfig) -> int:
+    "Exact bytes of the broadcast sender's two buffers on trainer rank 0's GPU: the largest bucket's, twice"
+    return 2 * max(b.nbytes for b in manifest_of(policy_shapes(cfg).engine, 0, cfg.cluster.bucket_mb).buckets)
+
+
 def snapshot_gather_bytes(cfg: RunConfig) -> int:
     "Bytes of one parameter taken for the snapshot: the largest, cast (its shard, on sharded ranks) and gathered"
     largest = max(p.numel() for p in policy_shapes(cfg).model.parameters())
@@ -267,7 +273,7 @@ def trainer_components(cfg: RunConfig, rank: int = 0) -> dict:
     out['snapshot'] = 0  # on the host (`snapshot_bytes`)
     out['snapshot_gather'] = snapshot_gather_bytes(cfg)
     sends = rank == 0 and cfg.cluster.weight_transport == 'broadcast'
-    out['transfer'] = transfer_bytes(cfg) if sends else 0
+    out['transfer'] = send_bytes(cfg) if sends else 0
     out['logits'] = logits_bytes(min(cfg.train.logprob_chunk, rows), s.text.vocab)
     checkpointing = cfg.train.activation_checkpointing
     out['activations'] = activation_bytes(s.model, s.text, rows, compute, checkpointing)
@@ -345,12 +351,28 @@ class RolePlan:
         )
 
 # %% ../nbs/14a_memory.ipynb #bf65dd06
+def vllm_module(name: str) -> str:
+    "The vLLM module a checkpoint tensor loads into: q/k/v and gate/up are fused, a layer's experts are one module"
+    name = re.sub(r'\.mlp\.experts\.\d+\..*', '.mlp.experts', name)
+    name = re.sub(r'\.self_attn\.[qkv]_proj\.', '.self_attn.qkv_proj.', name)
+    return re.sub(r'\.mlp\.(gate|up)_proj\.', '.mlp.gate_up_proj.', name).removesuffix('.weight')
+
+
+def reload_bytes(cfg: RunConfig) -> int:
+    "ESTIMATE: what a vLLM worker's reload holds beyond the two transfer buckets (the largest module, twice)"
+    modules = {}
+    for name, t in policy_shapes(cfg).engine:
+        modules[vllm_module(name)] = modules.get(vllm_module(name), 0) + t.numel() * t.element_size()
+    largest = max(modules.values())
+    return max(largest - transfer_bytes(cfg), 0) + largest // cfg.cluster.engine_gpus
+
+# %% ../nbs/14a_memory.ipynb #1cb1147e
 def vllm_worker(cfg: RunConfig, gpu_bytes: int, role: str) -> RolePlan:
     "The `RolePlan` of one vLLM worker"
     v = vllm_budget(cfg, gpu_bytes)
     parts = dict(weights=v.weights, profile=v.profile, kv_cache=max(v.kv_cache, 0))
-    parts |= dict(transfer=transfer_bytes(cfg), runtime=RUNTIME_BYTES)
-    plan = RolePlan(role, parts, ('profile', 'kv_cache', 'runtime'), kv_tokens=v.kv_tokens)
+    parts |= dict(transfer=transfer_bytes(cfg), reload=reload_bytes(cfg), runtime=RUNTIME_BYTES)
+    plan = RolePlan(role, parts, ('profile', 'kv_cache', 'reload', 'runtime'), kv_tokens=v.kv_tokens)
     need = v.max_model_len * v.token_bytes
     if v.kv_cache < need:
         plan.problems.append(
@@ -420,10 +442,11 @@ ADVICE = dict(
     activations='set train.activation_checkpointing = true, or use a smaller train.micro_batch_rows',
     logits='use a smaller train.logprob_chunk',
     snapshot_gather='it is the largest parameter, gathered whole for the snapshot: free memory elsewhere',
-    transfer='two weight buckets (cluster.bucket_mb, or the largest tensor): a smaller cluster.bucket_mb',
+    transfer='weight buckets (cluster.bucket_mb, or the largest tensor): a smaller cluster.bucket_mb',
     weights='lower rollout.vllm.gpu_memory_utilization (vLLM takes that share of the whole GPU) or use more '
     'cluster.engine_gpus',
     runtime='a fixed estimate (CUDA context, NCCL): free memory elsewhere',
+    reload="vLLM's largest module, held and rebuilt at a weight load: lower rollout.vllm.gpu_memory_utilization",
 )
 ADVICE |= dict(gradients=ADVICE['parameters'], optimizer=ADVICE['parameters'])
 ADVICE |= dict(profile=ADVICE['weights'], kv_cache=ADVICE['weights'], snapshot=ADVICE['snapshot_gather'])

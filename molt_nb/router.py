@@ -89,13 +89,14 @@ class Intake:
         parts = WeightReceiver(kind, self.group if kind == 'broadcast' else None, self.engine.device)
         parts = parts.buckets(manifest, self.names)
         inline = kind != 'broadcast' and manifest.nbytes <= INLINE_BYTES  # no wait on peers and a short copy
+        group = self.group
         try:
             while (part := next(parts, None) if inline else await asyncio.to_thread(next, parts, None)) is not None:
                 await self.engine.load_weights(part, manifest.version)
         except Exception:
-            if kind == 'broadcast' and self.group is not None:  # broken (a peer gone, a wait timed out)
-                self.group.close(abort=True)
-                self.group = None
+            if kind == 'broadcast' and group is not None and self.group is group:  # broken: a peer gone, a timeout
+                self.group = None  # (a group joined since, for a retry, is not this one)
+                group.close(abort=True)
             raise
 
 

@@ -173,9 +173,11 @@ class WeightLoader:
             for bucket in manifest_from(version, buckets).buckets:
                 self._molt_load(fetch_broadcast(bucket, self.molt_group))
         except Exception:  # the group is broken (a peer gone, a wait timed out): the router builds another
-            self.molt_group.close(abort=True)
-            self.molt_group = None
-            self.molt_end()
+            group, self.molt_group = self.molt_group, None
+            try:
+                self.molt_end()  # the reload is closed whatever happens (the engine must not serve it half loaded)
+            finally:
+                group.close(abort=True)
             raise
         return self.molt_end()
 

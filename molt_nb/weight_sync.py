@@ -116,10 +116,13 @@ def manifest_of(
 def pack(
     bucket: BucketSpec,  # what goes in the buffer
     tensors: dict,  # name -> tensor
+    out: Tensor | None = None,  # a uint8 buffer (on any device) to pack into, reused; None: a new one
 ) -> Tensor:
-    "A (bucket.nbytes,) uint8 buffer holding the bucket's tensors' bytes"
-    first = tensors[bucket.tensors[0].name]
-    flat = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=first.device)
+    "A (bucket.nbytes,) uint8 buffer holding the bucket's tensors' bytes (the first bytes of `out`, if given)"
+    if out is not None:
+        flat = out[: bucket.nbytes].zero_()
+    else:
+        flat = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=tensors[bucket.tensors[0].name].device)
     for s in bucket.tensors:
         flat[s.offset : s.offset + s.nbytes] = tensors[s.name].detach().contiguous().reshape(-1).view(torch.uint8)
     return flat
@@ -157,12 +160,12 @@ def host_copy(
     weights,  # (name, tensor) pairs, on any device: an iterator is taken one tensor at a time
     into: list | None = None,  # (name, host tensor) pairs to copy into where name, shape and dtype match
 ) -> list:
-    "(name, host tensor) copies of `weights`, reusing `into`'s tensors (pinned memory on a machine with CUDA)"
+    "(name, host tensor) copies of `weights`, reusing `into`'s tensors where they fit"
     kept, out = dict(into or []), []
     for name, t in weights:
         buf = kept.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            buf = torch.empty(t.shape, dtype=t.dtype)
         out.append((name, buf.copy_(t)))
         del t  # before the next is made: one gathered (or cast) tensor at a time, not two
     return out
@@ -281,13 +284,13 @@ class WeightSender:
             import ray
 
             return replace(m, payload=tuple(ray.put(pack(b, tensors).cpu().numpy()) for b in m.buckets))
-        in_flight = []  # (work, buffer): a buffer lives until its broadcast is done
-        for b in m.buckets:
-            if len(in_flight) == 2:
-                self.group.wait(in_flight.pop(0)[0])
-            flat = pack(b, tensors).to(self.group.device)
-            in_flight.append((self.group.broadcast(flat), flat))
-        for work, _ in in_flight:
+        size, works = max((b.nbytes for b in m.buckets), default=0), []
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.group.device) for _ in m.buckets[:2]]
+        for k, b in enumerate(m.buckets):
+            if len(works) == 2:
+                self.group.wait(works.pop(0))  # its buffer is free to be packed again
+            works.append(self.group.broadcast(pack(b, tensors, buffers[k % 2])))
+        for work in works:
             self.group.wait(work)
         return m
 

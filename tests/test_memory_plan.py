@@ -66,14 +66,14 @@ def test_the_recipe_values_the_plan_replaced_did_not_fit(name, overrides, role, 
 
 
 def test_eight_moe_trainer_ranks_plan_over_90_percent(capsys):
-    "Why gsm8k_moe trains on 10 ranks: on 8, a rank plans 79.2 GB (fp32 state 61 GB) even with activations recomputed"
+    "Why gsm8k_moe trains on 10 ranks: on 8, a rank plans 79.8 GB (fp32 state 61 GB) even with activations recomputed"
     plan = plan_json(capsys, 'gsm8k_moe', 'cluster.trainer_ranks=8', 'cluster.engines=4')
     trainer = next(r for r in plan['roles'] if r['role'] == 'trainer 0')
     assert 0.9 * GPU < trainer['peak_bytes'] < GPU
 
 
 def test_the_moe_engines_at_vllm_utilization_0_9_leave_too_little_outside_vllm(capsys):
-    "vLLM takes 0.9 x 80 = 72 GB; the weight buckets and the runtime outside it make 74.8 GB: over 90%, under 100%"
+    "vLLM takes 0.9 x 80 = 72 GB; the weight buckets, the reload and the runtime outside it make 76.0 GB: over 90%"
     plan = plan_json(capsys, 'gsm8k_moe', 'rollout.vllm={gpu_memory_utilization=0.9}')
     engine = next(r for r in plan['roles'] if r['role'].startswith('engine'))
     assert 0.9 * GPU < engine['peak_bytes'] < GPU
@@ -85,7 +85,7 @@ def test_a_plan_that_cannot_fit_is_refused_naming_the_role_and_component():
     with pytest.raises(ValueError) as e:  # MemoryPlanError is a ValueError: callers that catch bad configs catch it
         check_memory(cfg)
     first, *rest = str(e.value).splitlines()
-    assert first.startswith('trainer 0 plans 36.9 GB on a GPU of 8.0 GB; its largest component is optimizer, 8.2 GB')
+    assert first.startswith('trainer 0 plans 38.1 GB on a GPU of 8.0 GB; its largest component is optimizer, 8.2 GB')
     assert 'more trainer ranks (cluster.trainer_ranks)' in first and 'activations 6.5' in first
     assert rest[0].startswith('trainer 1 .. trainer 7 plans 35.6 GB') and 'engine 0 .. engine 7' in rest[1]
     assert check_memory(load_config(RECIPES / 'arith')) is None  # a CPU run has no GPU to plan
@@ -96,7 +96,7 @@ def test_molt_nb_train_refuses_it_before_anything_starts(tmp_path):
     "No recipe check (the data is absent here), no Ray: the memory plan comes first"
     with pytest.raises(SystemExit) as e:
         cli.main(['train', str(RECIPES / 'gsm8k'), 'cluster.gpu_gb=8', f'run_dir="{tmp_path}"'])
-    assert 'molt-nb train: the run does not fit its GPUs:\ntrainer 0 plans 36.9 GB' in str(e.value)
+    assert 'molt-nb train: the run does not fit its GPUs:\ntrainer 0 plans 38.1 GB' in str(e.value)
     assert 'its largest component is optimizer' in str(e.value)
     assert not any(tmp_path.iterdir())  # not even the run directory
 
@@ -117,7 +117,7 @@ def test_plan_refuses_an_engine_whose_kv_cache_holds_less_than_one_sequence(caps
     with pytest.raises(SystemExit) as e:
         cli.main(['plan', str(RECIPES / 'gsm8k'), '--nodes', '2', '--gpus-per-node', '8', '--gpu-gb', '24', '--json'])
     assert json.loads(capsys.readouterr().out)['gpu_bytes'] == 24 * 10**9  # the JSON is printed all the same
-    assert "engine 0 .. engine 7: vLLM's KV cache gets 2.2 GB" in str(e.value)
+    assert "engine 0 .. engine 7: vLLM's KV cache gets 1.8 GB" in str(e.value)
     assert 'less than one sequence of max_model_len 40960 tokens (6.0 GB)' in str(e.value)
 
 
@@ -225,11 +225,11 @@ def profiled_peak(fn) -> int:
 def test_plan_matches_the_snapshot_and_the_transfer_the_trainer_allocates(kind):
     """The trainer's one snapshot is `snapshot_bytes` (host memory, the engines' dtype), the allocation of taking it
     (`snapshot_gather`, one process: no copy where the dtypes agree) too; and what a broadcast sender allocates at once
-    (profiled on the sending thread, a gloo group of two) is `transfer_bytes`, the two largest neighbouring buckets"""
+    (profiled on the sending thread, a gloo group of two) is `send_bytes`, two buffers of the largest bucket's size"""
     from concurrent.futures import ThreadPoolExecutor
 
     from molt_nb.loop import Trainer
-    from molt_nb.memory import snapshot_bytes, snapshot_gather_bytes, transfer_bytes
+    from molt_nb.memory import send_bytes, snapshot_bytes, snapshot_gather_bytes
     from molt_nb.weight_sync import WeightReceiver, free_port, join_transport_group
 
     for dtype in ('float32', 'bfloat16'):
@@ -245,9 +245,9 @@ def test_plan_matches_the_snapshot_and_the_transfer_the_trainer_allocates(kind):
         trainer.transport = groups[0]
         manifest = trainer.weight_manifest(0)
         got = pool.submit(WeightReceiver('broadcast', groups[1]).receive, manifest)
-        sent = profiled_peak(lambda: trainer.send_weights('broadcast', 0))
+        sent = profiled_peak(lambda: trainer.send_weights("broadcast", 0))
         got.result()
     for g in groups:
         g.close()
-    print(kind, f"{len(manifest.buckets)} buckets: sender's peak {sent}, planned {transfer_bytes(cfg)}")
-    assert len(manifest.buckets) > 2 and abs(sent - transfer_bytes(cfg)) <= 0.05 * transfer_bytes(cfg)
+    print(kind, f"{len(manifest.buckets)} buckets: sender's peak {sent}, planned {send_bytes(cfg)}")
+    assert len(manifest.buckets) > 2 and abs(sent - send_bytes(cfg)) <= 0.05 * send_bytes(cfg)
