@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu_smoke import check, clean, gap, prompts_for, rollout_batch  # noqa: E402
+from bench.gpu_smoke import FULL, check, clean, gap, prompts_for, rollout_batch  # noqa: E402
 from molt_nb.core import SamplingParams  # noqa: E402
 
 GOALS = dict(  # name: (bound, how it is compared)
@@ -344,20 +344,7 @@ def close_rig(rig: Rig):
             r.parts['placement'].remove()
 
 
-MOE_SHAPE = dict(  # `--moe random`: bench/gpu_smoke.py's MoE
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=128,
-    num_experts=32,
-    experts_per_token=4,
-    moe_intermediate_size=512,
-    dense_layers=(0,),
-    tie_embeddings=False,
-)
+MOE_SHAPE = FULL.moe | dict(tie_embeddings=False)  # `--moe random`: bench/gpu_smoke.py's MoE, its head untied
 
 
 def random_moe(root: Path) -> str:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from measure import storage_bytes
+
 
 def rss_kib(field: str) -> int:
     "VmRSS or VmHWM of this process, in KiB"
@@ -31,12 +33,6 @@ def mark() -> int:
 def peak_since(before: int) -> int:
     "The peak resident bytes since `mark()` beyond the `before` it returned"
     return rss_kib('VmHWM') * 1024 - before
-
-
-def storage_bytes(tensors) -> int:
-    "Bytes of the distinct storages under `tensors`"
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(seen.values())
 
 
 def trainer(folder: Path, port: int, plan: dict, cfg) -> dict:

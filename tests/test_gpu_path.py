@@ -11,8 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 from molt_nb import weight_sync
 from molt_nb.actor import DataParallel, FSDP2Backend, PolicyActor, leave_group
@@ -22,6 +20,7 @@ from molt_nb.golden import golden_trajectories
 from molt_nb.models import build_tokenizer, save_policy, tiny_dense, tiny_moe
 from molt_nb.placement import ClusterShape
 from molt_nb.routing import RoutingConfig
+from measure import profiled_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = 'molt-nb-tests/Qwen3-tiny'
@@ -252,18 +251,6 @@ def test_chunked_logprobs_equal_the_full_computation(kind):
         torch.testing.assert_close(grad, full_grad, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
 
-def peak_bytes(fn) -> int:
-    "The peak of CPU memory `fn` allocates beyond what was there before (torch's memory profiler)"
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    live = peak = 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if key.device.type == 'cpu' and action in (Action.CREATE, Action.DESTROY):
-            live += size if action == Action.CREATE else -size
-            peak = max(peak, live)
-    return peak
-
-
 def test_chunked_logprobs_need_a_chunk_of_the_full_computations_memory():
     """The full computation holds several (positions x vocab) fp32 tensors at once; in chunks of 1/16 of the positions
     the peak is about 1/16 of it (what the head's input and the weight's gradient take is the same in both)"""
@@ -282,7 +269,7 @@ def test_chunked_logprobs_need_a_chunk_of_the_full_computations_memory():
 
         ChunkedLogprobs.apply(h, head.weight, t, 0.7, n // chunks, None).sum().backward()
 
-    full_peak, chunk_peak = peak_bytes(full), peak_bytes(chunked)
+    full_peak, chunk_peak = profiled_peak(full), profiled_peak(chunked)
     ratio = full_peak / chunk_peak
     print(f"peak {full_peak / 2**20:.1f} MiB whole, {chunk_peak / 2**20:.1f} MiB in {chunks} chunks: {ratio:.1f}x")
     assert full_peak > 2 * n * vocab * 4  # several fp32 (positions x vocab) tensors at once

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
 
 from molt_nb import cli
 from molt_nb.actor import FSDP2Backend, PolicyActor, join_group, leave_group
@@ -18,6 +17,7 @@ from molt_nb.config import ModelConfig, RunConfig, build_policy, load_config, wi
 from molt_nb.core import collate
 from molt_nb.golden import golden_trajectories
 from molt_nb.memory import MemoryPlanError, check_memory, trainer_components
+from measure import profiled_peak, storage_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / 'recipes'
@@ -128,15 +128,6 @@ def tiny_cfg(kind: str, ranks: int = 1) -> RunConfig:
     return cfg if ranks == 1 else with_fields(cfg, {'cluster.trainer_ranks': ranks, 'train.backend': 'fsdp2'})
 
 
-def storage_bytes(tensors) -> int:
-    "Bytes of the distinct storages behind `tensors` (a DTensor's local shard)"
-    seen = {}
-    for t in tensors:
-        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def allocated(cfg: RunConfig, backend=None) -> dict:
     "The bytes one real `PolicyActor` step holds: weights, gradients (just before the update) and AdamW state"
     torch.manual_seed(0)
@@ -204,21 +195,6 @@ def test_plan_matches_allocations_in_an_fsdp2_group(fsdp2_group, kind):
         print(kind, rank, {k: (out[kind][k], planned[k]) for k in EXACT})
         assert all(out[kind][k] <= planned[k] for k in EXACT)
     assert_within_5_percent(fsdp2_group[0][kind], planned)
-
-
-def profiled_peak(fn) -> int:
-    "The peak CPU bytes `fn` allocates in this thread beyond what was there before (torch's memory profiler)"
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    live = peak = 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if key.device.type == 'cpu' and action in (Action.CREATE, Action.DESTROY):
-            live += size if action == Action.CREATE else -size
-            peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize('kind', ['dense', 'moe'])
