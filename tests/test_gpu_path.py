@@ -274,3 +274,63 @@ def test_chunked_logprobs_need_a_chunk_of_the_full_computations_memory():
     print(f"peak {full_peak / 2**20:.1f} MiB whole, {chunk_peak / 2**20:.1f} MiB in {chunks} chunks: {ratio:.1f}x")
     assert full_peak > 2 * n * vocab * 4  # several fp32 (positions x vocab) tensors at once
     assert chunks / 2 < ratio < chunks * 2
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_refused():
+    """Chunked logprobs replace the LM head's output: a model that softcaps or scales the logits after it (Gemma-2,
+    Granite, Cohere) would be scored without that, silently; it is refused, naming the field"""
+    from molt_nb.actor import output_head
+
+    model = tiny_dense(build_tokenizer())
+    assert output_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"transforms its logits after the LM head \(\['final_logit_softcapping'\]\)"):
+        output_head(model)
+
+
+def test_a_forward_that_bypasses_its_head_is_caught():
+    "A model computing logits without calling its lm_head module would return them where logprobs were expected"
+    from molt_nb.actor import one_per_target
+
+    targets = torch.zeros(2, 5, dtype=torch.long)
+    assert one_per_target(torch.zeros(2, 5), targets).shape == (2, 5)
+    with pytest.raises(RuntimeError, match=r'returned \(2, 6, 9\) where its LM head gave \(\(2, 5\)\) logprobs'):
+        one_per_target(torch.zeros(2, 6, 9), targets)
+
+
+def test_a_failed_take_closes_its_own_group_not_one_joined_since():
+    """A take that fails (a broadcast peer gone) aborts the group it received on; if the router has joined the engine
+    to a new group meanwhile (its retry), that one is left alone"""
+    from molt_nb.engine import TorchEngine
+    from molt_nb.router import Intake
+
+    closed = []
+
+    class Group:
+        rank, device, timeout_s = 1, torch.device('cpu'), 1.0
+
+        def __init__(self, name):
+            self.name = name
+
+        def broadcast(self, flat):
+            intake.group = retry if self.name == 'first' and rejoin else intake.group  # the router's retry joined
+            raise RuntimeError('Connection reset by peer')
+
+        def wait(self, work):
+            pass
+
+        def close(self, abort=False):
+            closed.append((self.name, abort))
+
+    intake = Intake(TorchEngine(tiny_dense(build_tokenizer())))
+    manifest = weight_sync.WeightSender('inprocess').manifest(weight_sync.named_weights(intake.engine.model), 1)
+    retry = Group('retry')
+    try:
+        for rejoin in (False, True):
+            intake.group, closed = Group('first'), []
+            with pytest.raises(RuntimeError, match='reset by peer'):
+                asyncio.run(intake.take(manifest, 'broadcast'))
+            assert closed == ([] if rejoin else [('first', True)])
+            assert intake.group is (retry if rejoin else None)
+    finally:
+        intake.engine.close()
