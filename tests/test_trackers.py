@@ -350,3 +350,46 @@ def test_nan_none_and_text_never_reach_a_tracker(tmp_path):
     assert trackers.close() is True
     assert rec.logged == [(7, {'reward': 1.0, 'train/loss': 0.25})]
     assert type(rec.logged[0][1]['reward']) is float
+
+
+def test_a_name_that_becomes_a_parent_mid_run_loses_nothing(tmp_path):
+    """A reward swap adds `reward/env` to the rows from its step on, after `reward` was logged plainly: every sink
+    keeps every later step of every metric (MLflow's file store stores a metric as a file, so `reward` can never
+    become a folder: the new name is stored flat, `reward_env`), and the errors count stays 0"""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from molt_nb.trackers import MLflowSink, TensorBoardSink, WandbSink
+
+    rows = [dict(step=s, reward=s / 8, loss=1 / s) for s in (1, 2)]
+    rows += [dict(step=s, reward=s / 8, loss=1 / s) | {'reward/env': s / 16} for s in (3, 4, 5)]
+    uri = (tmp_path / 'mlruns').as_uri()
+    trackers = Trackers([TensorBoardSink(tmp_path / 'tb'), WandbSink(tmp_path / 'wandb'), MLflowSink(uri)])
+    trackers.begin(TrackedRun('swapped', 'swap-test', {}, tmp_path))
+    for row in rows:
+        trackers.log(row)
+    assert trackers.close() is True
+    assert (trackers.errors, trackers.first_error) == (0, None)
+    want = {k: {r['step']: r[k] for r in rows if k in r} for k in ('reward', 'loss', 'reward/env')}
+
+    acc = EventAccumulator(str(tmp_path / 'tb'), size_guidance={'scalars': 0})
+    acc.Reload()
+    for name, points in want.items():
+        same({e.step: e.value for e in acc.Scalars(name)}, points, f"tensorboard {name}")
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((tmp_path / 'trackers.json').read_text())['mlflow']
+    for name, stored in (('reward', 'reward'), ('loss', 'loss'), ('reward/env', 'reward_env')):
+        same({m.step: m.value for m in client.get_metric_history(run_id, stored)}, want[name], f"mlflow {name}")
+
+    (run_file,) = glob.glob(str(tmp_path / 'wandb' / 'wandb' / 'offline-run-*' / '*.wandb'))
+    history = wandb_history(run_file)
+    for name, points in want.items():
+        same({s: row[name] for s, row in history.items() if name in row}, points, f"wandb {name}")
+
+    # a resumed start's sink knows only what the store holds: it keeps each name where the first start stored it
+    resumed = Trackers([MLflowSink(uri)])
+    resumed.begin(TrackedRun('swapped', 'swap-test', {}, tmp_path, step=5, resume=True))
+    resumed.log({'reward/env': 0.5, 'step': 6, 'reward': 0.75})
+    assert resumed.close() is True and resumed.errors == 0, resumed.first_error
+    assert client.get_metric_history(run_id, 'reward')[-1].step == 6
+    assert client.get_metric_history(run_id, 'reward_env')[-1].step == 6
