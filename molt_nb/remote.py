@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['NAMES', 'UPLOADED', 'CODES', 'MAX_UPLOAD', 'SKIP', 'identity', 'by_value', 'differences', 'cluster_identities',
-           'check_cluster', 'pack', 'unpack', 'ship', 'check_on_cluster', 'on_cluster']
+           'check_cluster', 'recipe_files', 'too_big', 'pack', 'unpack', 'ship', 'check_on_cluster', 'on_cluster']
 
 # %% ../nbs/22a_remote.ipynb #d79032ec
 import builtins, io, os, shutil, sys, tempfile, types, zipfile
@@ -77,29 +77,77 @@ def check_cluster(timeout: float = 120):
 # %% ../nbs/22a_remote.ipynb #cce2a0f5
 UPLOADED = '(uploaded)'  # the recipe of a config whose recipe travels with the run, until the run unpacks it
 CODES = ('shared', 'upload')
-MAX_UPLOAD = 64 * 2**20  # the most bytes of a recipe that travel with a launch
+MAX_UPLOAD = 64 * 2**20  # the most bytes of a recipe that travel with a launch (its files, and their zip)
 SKIP = {'__pycache__', '.ipynb_checkpoints', '.git'}  # folders never sent
 
 
-def pack(directory, extra: dict | None = None) -> bytes:
-    """The files under `directory` (without caches and .git), and `extra` ({name in the zip: path}), as a zip refused
-    past `MAX_UPLOAD` bytes"""
-    root, out = Path(directory), io.BytesIO()
-    with zipfile.ZipFile(out, 'w', zipfile.ZIP_DEFLATED) as z:
-        for p in sorted(root.rglob('*')):
-            if p.is_file() and not SKIP.intersection(p.relative_to(root).parts) and p.suffix != '.pyc':
-                z.write(p, p.relative_to(root).as_posix())
-        for name, p in (extra or {}).items():
-            z.write(p, name)
-    if out.tell() > MAX_UPLOAD:
+def recipe_files(
+    directory,  # the recipe's folder
+    resolve_links: bool = False,  # send what a symlink leaving the recipe points to, instead of refusing it
+) -> list:
+    "(path, name in the zip) of every file under `directory`, through its symlinks; a symlink out of it refused by name"
+    root = Path(directory)
+    top, out, leaving = root.resolve(), [], []
+    todo = [(root, '', frozenset([root.resolve()]))]  # (folder, its name in the zip, the folders it lies in)
+    while todo:
+        folder, prefix, within = todo.pop()
+        for p in sorted(folder.iterdir()):
+            real, name = p.resolve(), prefix + p.name
+            if p.name in SKIP or p.suffix == '.pyc' or not p.exists():  # (a dangling link carries nothing)
+                continue
+            if p.is_symlink() and not real.is_relative_to(top) and not resolve_links:
+                leaving.append(f"{name} -> {real}")
+            elif p.is_dir() and real in within:
+                raise ValueError(f"recipe {str(root)!r}: the symlink {name} points to a folder it lies in: remove it")
+            elif p.is_dir():
+                todo.append((p, name + '/', within | {real}))
+            elif p.is_file():  # (not a pipe, socket or device)
+                out.append((p, name))
+    if leaving:
         raise ValueError(
-            f"recipe {str(root)!r} is {out.tell() / 2**20:.0f} MiB zipped, over the {MAX_UPLOAD // 2**20} MiB a launch "
-            "carries: keep data sets and models on the cluster's storage and give the agent their paths "
-            "(agent_options), or launch with code='shared' on a filesystem the cluster shares"
+            f"recipe {str(root)!r}: {', '.join(leaving)} point outside the recipe, and only the recipe travels: copy "
+            "what the recipe needs into it, keep data on the cluster's storage and give the agent its path, or pass "
+            "resolve_links=True to send what they point to"
         )
-    return out.getvalue()
+    return sorted(out, key=lambda e: e[1])
+
+# %% ../nbs/22a_remote.ipynb #9feaa351
+def too_big(root, size: float, what: str, limit: int = MAX_UPLOAD) -> ValueError:
+    "The refusal of a recipe of `size` bytes (`what`: its files or their zip) past `limit`"
+    return ValueError(
+        f"recipe {str(root)!r} is {size / 2**20:.0f} MiB {what}, over the {limit / 2**20:.0f} MiB a launch "
+        "carries: keep data sets and models on the cluster's storage and give the agent their paths "
+        "(agent_options), or launch with code='shared' on a filesystem the cluster shares"
+    )
 
 
+def pack(
+    directory,  # the recipe's folder: its files travel, without caches and .git
+    extra: dict | None = None,  # more files, {name in the zip: path}
+    resolve_links: bool = False,  # send what a symlink leaving the recipe points to, instead of refusing it
+    limit: int = MAX_UPLOAD,  # the most bytes of files, and of zip, sent
+) -> bytes:
+    "The recipe's files (`recipe_files`) as a zip, refused past `limit` bytes before it is built or as it grows"
+    files = recipe_files(directory, resolve_links) + [(Path(p), name) for name, p in (extra or {}).items()]
+    if (size := sum(p.stat().st_size for p, _ in files)) > limit:
+        biggest = sorted(files, key=lambda e: -e[0].stat().st_size)[:3]
+        raise too_big(directory, size, 'of files (the largest: ' + ', '.join(n for _, n in biggest) + ')', limit)
+    with tempfile.SpooledTemporaryFile(max_size=4 * 2**20) as out:  # (past 4 MiB, on disk)
+        with zipfile.ZipFile(out, 'w', zipfile.ZIP_DEFLATED) as z:
+            for p, name in files:
+                info = zipfile.ZipInfo.from_file(p, name)  # (its time and mode, as `ZipFile.write` keeps them)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                with open(p, 'rb') as src, z.open(info, 'w') as dst:
+                    while chunk := src.read(2**20):  # a file that grew since it was counted stops here
+                        dst.write(chunk)
+                        if out.tell() > limit:
+                            raise too_big(directory, out.tell(), 'zipped so far', limit)
+        if out.tell() > limit:  # (what the compressor held, and the zip's index)
+            raise too_big(directory, out.tell(), 'zipped', limit)
+        out.seek(0)
+        return out.read()
+
+# %% ../nbs/22a_remote.ipynb #7719b3a3
 def unpack(data: bytes, directory) -> str:
     "Replace `directory` with the files of `data` (a `pack`); its path"
     directory = Path(directory)
@@ -113,10 +161,10 @@ def unpack(data: bytes, directory) -> str:
     shutil.rmtree(old, ignore_errors=True)
     return str(directory)
 
-# %% ../nbs/22a_remote.ipynb #edd293ba
-def ship(cfg: RunConfig, name: str, code: str, store: str | None = None) -> tuple:
+# %% ../nbs/22a_remote.ipynb #224cb3ab
+def ship(cfg: RunConfig, name: str, code: str, store: str | None = None, resolve_links: bool = False) -> tuple:
     """(the config as the cluster will see it, the recipe's files or None, the run actor's extra options) for `code`
-    'shared' or 'upload'"""
+    'shared' or 'upload' (`resolve_links`: `pack`'s)"""
     if code not in CODES:
         raise ValueError(
             f"code={code!r}: 'upload' sends the recipe with the run (a cluster that cannot see this machine's files), "
@@ -132,7 +180,7 @@ def ship(cfg: RunConfig, name: str, code: str, store: str | None = None) -> tupl
     cluster_cfg = replace(
         cfg, recipe=UPLOADED, agent=next(iter(extra), cfg.agent), run_dir=store or f"~/molt-runs/{name}"
     )
-    return cluster_cfg, pack(cfg.recipe, extra), dict(resources={'node:__internal_head__': 0.001})
+    return cluster_cfg, pack(cfg.recipe, extra, resolve_links), dict(resources={'node:__internal_head__': 0.001})
 
 
 def check_on_cluster(cfg: RunConfig, files: bytes, options: dict):

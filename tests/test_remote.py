@@ -3,7 +3,8 @@ is another, and `launch` runs a recipe on a head started in another directory, w
 kernel's copy of the recipe is gone: the recipe travels with the run, the run store lives on the cluster, and the
 dashboard reads it through the run."""
 
-import dataclasses, shutil
+import dataclasses, os, shutil
+from pathlib import Path
 import pytest
 from test_connect import kernel, token_head
 from test_controller import PARITY, ROOT
@@ -83,3 +84,81 @@ def test_every_recipe_travels_whole(recipe, tmp_path):
     there = on_cluster(*ship(dataclasses.replace(cfg), recipe, 'upload', store=str(tmp_path / 'there'))[:2])
     assert there.agent_path.is_file() and there.agent_path.read_text() == cfg.agent_path.read_text()
     assert there.agent_path.resolve().is_relative_to(tmp_path / 'there' / 'recipe')
+
+
+def peak_growth_mib(fn) -> float:
+    "How far (MiB) this process's resident memory rose above where it was while `fn()` ran (Linux's peak RSS, reset)"
+    import re
+
+    def status():
+        return dict(re.findall(r'(Vm\w+):\s+(\d+) kB', Path('/proc/self/status').read_text()))
+
+    Path('/proc/self/clear_refs').write_text('5')  # VmHWM := VmRSS
+    before = int(status()['VmRSS'])
+    fn()
+    return (int(status()['VmHWM']) - before) / 1024
+
+
+def random_file(path, mib: int):
+    with open(path, 'wb') as f:
+        for _ in range(mib):
+            f.write(os.urandom(2**20))
+
+
+def refused(fn, match: str):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_pack_refuses_a_big_recipe_without_holding_it(tmp_path, monkeypatch):
+    """A recipe holding a 96 MiB file is refused by name before it is zipped; one whose file grew after it was counted
+    is refused as the zip grows, spooled to disk: the process grows by under 20 MiB either way"""
+    from molt_nb.remote import pack
+
+    rec = tmp_path / 'rec'
+    rec.mkdir()
+    (rec / 'agent.py').write_text('')
+    random_file(rec / 'data.bin', 96)
+    grew = peak_growth_mib(lambda: refused(lambda: pack(rec), r'96 MiB of files \(the largest: data.bin'))
+    print(f"refused at 96 MiB: grew {grew:.1f} MiB")
+    assert grew < 20, f"the refusal grew the process by {grew:.0f} MiB"
+    real_stat = Path.stat
+
+    def stale(self, **kw):  # data.bin counted before it grew: only the zip's own size can stop it
+        st = real_stat(self, **kw)
+        return os.stat_result((*st[:6], 0, *st[7:])) if self.name == 'data.bin' else st
+
+    monkeypatch.setattr(Path, 'stat', stale)
+    grew = peak_growth_mib(lambda: refused(lambda: pack(rec, limit=32 * 2**20), 'MiB zipped so far, over the 32 MiB'))
+    print(f"refused streaming: grew {grew:.1f} MiB")
+    assert grew < 20, f"the streamed refusal grew the process by {grew:.0f} MiB"
+
+
+def test_pack_sends_only_the_recipe(tmp_path):
+    """A symlink out of the recipe (a file, a folder) is refused by name, or sent resolved when asked; symlinks inside
+    it arrive working"""
+    from molt_nb.remote import pack, unpack
+
+    rec, outside = tmp_path / 'rec', tmp_path / 'outside'
+    (rec / 'data').mkdir(parents=True)
+    outside.mkdir()
+    (rec / 'agent.py').write_text('A')
+    (rec / 'data' / 'rows.jsonl').write_text('{}')
+    (rec / 'rows.jsonl').symlink_to('data/rows.jsonl')
+    (rec / 'current').symlink_to(rec / 'data')  # (absolute, still inside)
+    there = Path(unpack(pack(rec), tmp_path / 'there'))
+    assert sorted(str(p.relative_to(there)) for p in there.rglob('*') if p.is_file()) == [
+        'agent.py',
+        'current/rows.jsonl',
+        'data/rows.jsonl',
+        'rows.jsonl',
+    ]
+    assert (there / 'current' / 'rows.jsonl').read_text() == '{}'
+    (outside / 'secret').write_text('SECRET')
+    (rec / 'linked.txt').symlink_to(outside / 'secret')
+    (rec / 'sets').symlink_to(outside)
+    with pytest.raises(ValueError) as e:
+        pack(rec)
+    assert f"linked.txt -> {outside / 'secret'}, sets -> {outside} point outside the recipe" in str(e.value)
+    there = Path(unpack(pack(rec, resolve_links=True), tmp_path / 'there'))
+    assert (there / 'linked.txt').read_text() == 'SECRET' and (there / 'sets' / 'secret').read_text() == 'SECRET'
