@@ -7,7 +7,7 @@ import torch
 
 from molt_nb.core import SamplingParams, Segment, Trajectory, collate, token_logprobs
 from molt_nb.decode import SlotCache
-from molt_nb.engine import TorchEngine
+from molt_nb.engine import EngineDead, TorchEngine
 from molt_nb.models import moe_gates, tiny_dense, tiny_moe
 
 MODELS = {"dense": lambda: tiny_dense(), "moe": lambda: tiny_moe(dense_layers=(0,))}
@@ -256,3 +256,47 @@ def test_weights_loaded_in_parts_refill_once_and_a_failing_refill_fails_only_its
     after = short.versions == 1
     want = token_logprobs(logits, short.token_ids)
     torch.testing.assert_close(short.logprobs[after], want[after], atol=1e-5, rtol=0)
+
+
+def test_an_error_outside_the_guarded_sections_fails_the_engine_loudly(monkeypatch):
+    """An OOM in the refill's tail (held rows re-prefilled after a load) fails the held and queued requests with the
+    cause; every later call raises the engine's death at once (no wait on a thread that is gone); the thread ends."""
+    engine = TorchEngine(tiny_dense(), seed=0)
+    nonce = engine._nonce
+    params = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
+    real, armed = SlotCache.reserve, []
+
+    def reserve(cache, columns):  # the first reservation once armed: the refill's, after its prefills
+        if armed:
+            armed.clear()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(cache, columns)
+
+    monkeypatch.setattr(SlotCache, "reserve", reserve)
+
+    async def go():
+        held = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_tokens=200)))
+        await sampled(engine, 5)
+        await asyncio.wait_for(engine.pause(keep=True), 5)
+        queued = asyncio.create_task(engine.generate([4, 5], SamplingParams(max_tokens=5)))
+        await asyncio.wait_for(engine.load_weights(params, 1), 5)
+        armed.append(True)
+        await asyncio.wait_for(engine.resume(), 5)
+        out = await asyncio.wait_for(asyncio.gather(held, queued, return_exceptions=True), 2)
+        later = [engine.pause(), engine.generate([6], SamplingParams(max_tokens=2)), engine.load_weights(params, 2)]
+        later = [await asyncio.wait_for(asyncio.gather(c, return_exceptions=True), 0.5) for c in later]
+        return out + [x for (x,) in later]
+
+    out = asyncio.run(go())
+    engine._thread.join(2)
+    assert not engine._thread.is_alive() and not armed, "the thread is still running, or the fault never fired"
+    assert all(isinstance(e, EngineDead) for e in out), out
+    for e in out:  # the cause, by type and message, and which engine
+        assert "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in str(e), str(e)
+        assert f"TorchEngine (nonce {nonce}, version 1" in str(e), str(e)
+    assert isinstance(out[0].__cause__, torch.OutOfMemoryError) and str(engine.error) == str(out[0])
+    engine.close()  # closes at once, and gives its nonce back: the next engine built takes it
+    again = TorchEngine(tiny_dense(), seed=0)
+    taken = again._nonce
+    again.close()
+    assert taken == nonce, (taken, nonce)
