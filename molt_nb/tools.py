@@ -85,6 +85,11 @@ def _view(binds: tuple) -> list:
     return args
 
 
+# memory a process can hold outside its address space, with no file size or descriptor to bound it (issue 47):
+# memfd_create and memfd_secret, SysV shared memory, semaphores and message queues (one kept after its detach), POSIX
+# message queues, BPF maps
+_X86_MEMORY = dict(memfd=(319, 447), sysv=(29, 64, 68), mqueue=240, bpf=321)
+_ARM_MEMORY = dict(memfd=(279, 447), sysv=(194, 190, 186), mqueue=180, bpf=280)
 _ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socketpair, and those refused outright
     'x86_64': (
         0xC000003E,
@@ -92,7 +97,7 @@ _ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socket
         272,
         41,
         53,
-        dict(clone3=435, io_uring=(425, 426, 427), keys=(248, 249, 250), userfaultfd=323),
+        dict(clone3=435, io_uring=(425, 426, 427), keys=(248, 249, 250), userfaultfd=323, **_X86_MEMORY),
     ),
     'aarch64': (
         0xC00000B7,
@@ -100,7 +105,7 @@ _ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socket
         97,
         198,
         199,
-        dict(clone3=435, io_uring=(425, 426, 427), keys=(217, 218, 219), userfaultfd=282),
+        dict(clone3=435, io_uring=(425, 426, 427), keys=(217, 218, 219), userfaultfd=282, **_ARM_MEMORY),
     ),
 }
 
@@ -109,8 +114,8 @@ def _filter() -> bytes:
     """A seccomp program (classic BPF) closing what the namespaces leave open: new user namespaces (unshare/clone
     with CLONE_NEWUSER: EPERM), socket families other than Unix, IP and netlink (AF_VSOCK reaches a VM's host from any
     network namespace: EAFNOSUPPORT), and clone3 (libc falls back to clone), io_uring (its socket operations skip
-    seccomp), kernel keyrings (never freed with the sandbox) and userfaultfd (ENOSYS); other ABIs (i386, x32) get
-    EPERM"""
+    seccomp), kernel keyrings (never freed with the sandbox), userfaultfd, and memory held outside every address space
+    (memfd, SysV IPC, POSIX message queues, BPF maps: ENOSYS); other ABIs (i386, x32) get EPERM"""
     arch, clone, unshare, socket, socketpair, refused = _ABI[platform.machine()]
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
     returns = dict(allow=0x7FFF0000, eperm=0x50000 | 1, enosys=0x50000 | 38, eafnosupport=0x50000 | 97)
@@ -279,6 +284,11 @@ class Sandbox:
         bad = [p for p in self.binds if not (os.path.isabs(p) and os.path.exists(p))]
         if bad:
             raise ValueError(f"Sandbox.binds has {bad}: give existing absolute paths")
+
+    @property
+    def memory_bound_mb(self) -> int | None:
+        "MiB one call can hold: its processes' address spaces, /tmp and /dev/shm (None unsafe: no process cap there)"
+        return None if self.unsafe else self.max_processes * self.memory_mb + self.scratch_mb + 1
 
 
 @patch

@@ -10,7 +10,7 @@ carry a marker in their command line and are found by pid from outside while the
 import asyncio, ctypes, json, os, socket, subprocess, sys, sysconfig, tempfile, threading, time
 from pathlib import Path
 import pytest
-from molt_nb.tools import SandboxUnavailable, run_python
+from molt_nb.tools import Sandbox, SandboxUnavailable, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = 'sekrit-' + os.urandom(6).hex()
@@ -361,3 +361,88 @@ def test_binds_add_packages(tmp_path):
     site = sysconfig.get_paths()['purelib']
     assert 'ModuleNotFoundError' in asyncio.run(run_python('import numpy'))
     assert asyncio.run(run_python('import numpy; print(numpy.arange(4).sum())', binds=(site,), memory_mb=1024)) == '6\n'
+
+
+def _tree(root: int) -> set:
+    "Pids of the live processes below `root` (not `root` itself)"
+    parent = {}
+    for p in os.listdir('/proc'):
+        if p.isdigit():
+            try:
+                parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(')', 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    tree, new = set(), {root}
+    while new:
+        new = {p for p, pp in parent.items() if pp in new} - tree
+        tree |= new
+    return tree
+
+
+def held_by(pids: set) -> int:
+    "Bytes the processes hold: their resident memory plus the memfd files they keep open (mapped or not)"
+    rss, memfds = 0, {}
+    for p in pids:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            rss += int(status.split('VmRSS:')[1].split()[0]) * 1024 if 'VmRSS:' in status else 0
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                if os.readlink(f"/proc/{p}/fd/{fd}").startswith('/memfd:'):
+                    st = os.stat(f"/proc/{p}/fd/{fd}")
+                    memfds[st.st_dev, st.st_ino] = st.st_blocks * 512
+        except (OSError, IndexError, ValueError):
+            pass  # gone while read
+    return rss + sum(memfds.values())
+
+
+HOG = '''import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+for i in range(7):  # eight processes, each after 320 MiB: 2.5 GiB in all
+    try:
+        if os.fork() == 0: break
+    except OSError: break
+held, me = [], os.getpid()
+def report(name, f):  # one write per line: the processes print at once
+    try: os.write(1, f'{name}{me} DONE {f()}\\n'.encode())
+    except BaseException as e:
+        why = errno.errorcode.get(getattr(e, 'errno', None)) or type(e).__name__
+        os.write(1, f'{name}{me} FAILED {why}\\n'.encode())
+def memfds():  # 4 x 32 MiB outside the address space (each file under RLIMIT_FSIZE)
+    for i in range(4):
+        held.append(os.memfd_create('hog'))
+        os.write(held[-1], b'x' * 2**25)
+def sysv():  # a SysV segment outlives its mapping: 2 x 32 MiB touched, then detached
+    libc.shmat.restype = ctypes.c_void_p
+    for i in range(2):
+        seg = libc.shmget(0, 2**25, 0o1600)
+        if seg < 0: raise OSError(ctypes.get_errno(), 'shmget')
+        addr = libc.shmat(seg, None, 0)
+        ctypes.memset(addr, 1, 2**25)
+        libc.shmdt(ctypes.c_void_p(addr))
+def grab():  # up to 128 MiB resident, 8 MiB at a time
+    for i in range(16): held.append(b'x' * 2**23)
+report('memfd', memfds)
+report('sysv', sysv)
+report('grab', grab)
+time.sleep(1.5)
+'''
+
+
+def test_memory_is_bounded_per_call():
+    """Eight processes each after 128 MiB of memfds, 64 MiB of SysV segments and 128 MiB of address space (2.5 GiB in
+    all): what the call holds, sampled from outside (resident memory and memfds of its process tree), stays under its
+    bound (memfd and SysV refused; before, 1003 MiB sampled against a 529 MiB bound, and 256 MiB of SysV unseen)"""
+    sandbox = Sandbox(memory_mb=128, max_processes=4, file_mb=32, timeout_s=4)
+    result, peak = {}, 0
+    t = threading.Thread(target=lambda: result.update(text=asyncio.run(sandbox.run(UNHOOK + HOG))))
+    t.start()
+    while t.is_alive():
+        peak = max(peak, held_by(_tree(os.getpid())))
+        time.sleep(0.02)
+    t.join()
+    got = outcomes(result['text'])
+    grabs = [v for k, v in got.items() if k.startswith('grab')]
+    assert 2 <= len(grabs) <= 4 and set(grabs) == {'FAILED MemoryError'}, result['text']  # at max_processes
+    refused = [v for k, v in got.items() if k.startswith(('memfd', 'sysv'))]  # by seccomp, in every process
+    assert len(refused) == 2 * len(grabs) and set(refused) == {'FAILED ENOSYS'}, result['text']
+    assert 200 * 2**20 < peak < sandbox.memory_bound_mb * 2**20, (peak / 2**20, result['text'])
