@@ -90,6 +90,7 @@ def _view(binds: tuple) -> list:
 # message queues, BPF maps
 _X86_MEMORY = dict(memfd=(319, 447), sysv=(29, 64, 68), mqueue=240, bpf=321)
 _ARM_MEMORY = dict(memfd=(279, 447), sysv=(194, 190, 186), mqueue=180, bpf=280)
+_SETSOCKOPT = dict(x86_64=54, aarch64=208)  # its buffer sizes are ignored: a Unix socket could queue 8 MiB
 _ABI = {  # audit arch, then system call numbers: clone, unshare, socket, socketpair, and those refused outright
     'x86_64': (
         0xC000003E,
@@ -115,10 +116,11 @@ def _filter() -> bytes:
     with CLONE_NEWUSER: EPERM), socket families other than Unix, IP and netlink (AF_VSOCK reaches a VM's host from any
     network namespace: EAFNOSUPPORT), and clone3 (libc falls back to clone), io_uring (its socket operations skip
     seccomp), kernel keyrings (never freed with the sandbox), userfaultfd, and memory held outside every address space
-    (memfd, SysV IPC, POSIX message queues, BPF maps: ENOSYS); other ABIs (i386, x32) get EPERM"""
+    (memfd, SysV IPC, POSIX message queues, BPF maps: ENOSYS); setting a socket's buffer sizes succeeds and does
+    nothing (they stay at the defaults); other ABIs (i386, x32) get EPERM"""
     arch, clone, unshare, socket, socketpair, refused = _ABI[platform.machine()]
     LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
-    returns = dict(allow=0x7FFF0000, eperm=0x50000 | 1, enosys=0x50000 | 38, eafnosupport=0x50000 | 97)
+    returns = dict(allow=0x7FFF0000, eperm=0x50000 | 1, enosys=0x50000 | 38, eafnosupport=0x50000 | 97, ignore=0x50000)
     prog = [
         (LD, 4),
         (JEQ, arch, 0, 'eperm'),
@@ -129,6 +131,7 @@ def _filter() -> bytes:
         (JEQ, unshare, 'flags', 0),
         (JEQ, socket, 'family', 0),
         (JEQ, socketpair, 'pair', 0),
+        (JEQ, _SETSOCKOPT[platform.machine()], 'sockopt', 0),
         (RET, returns['allow']),
         'flags',
         (LD, 16),
@@ -140,6 +143,12 @@ def _filter() -> bytes:
         'pair',
         (LD, 16),
         (JEQ, 1, 'allow', 'eafnosupport'),
+        'sockopt',
+        (LD, 24),
+        (JEQ, 1, 0, 'allow'),  # SOL_SOCKET
+        (LD, 32),
+        *[(JEQ, o, 'ignore', 0) for o in (7, 8, 32)],
+        (JEQ, 33, 'ignore', 'allow'),  # SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE
         *[x for name, k in returns.items() for x in (name, (RET, k))],
     ]
     where, n = {}, 0

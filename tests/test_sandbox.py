@@ -446,3 +446,25 @@ def test_memory_is_bounded_per_call():
     refused = [v for k, v in got.items() if k.startswith(('memfd', 'sysv'))]  # by seccomp, in every process
     assert len(refused) == 2 * len(grabs) and set(refused) == {'FAILED ENOSYS'}, result['text']
     assert 200 * 2**20 < peak < sandbox.memory_bound_mb * 2**20, (peak / 2**20, result['text'])
+
+
+def test_socket_buffers_stay_at_their_defaults():
+    """SO_SNDBUF raised to 8 MiB on 24 Unix socket pairs that nobody reads: the kernel queues what the default buffers
+    take (before, 8 MiB a socket: 390 MiB from one process, outside every limit); setsockopt still answers 0"""
+    code = (
+        UNHOOK
+        + '''held, queued = [], 0
+for i in range(24):
+    a, b = socket.socketpair()
+    held += [a, b]
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2**23)
+        s.setblocking(False)
+        try:
+            while True: queued += s.send(b'x' * 2**16)
+        except BlockingIOError: pass
+print(queued >> 20)'''
+    )
+    default = int(Path('/proc/sys/net/core/wmem_default').read_text())
+    out = asyncio.run(run_python(code))
+    assert int(out) <= 48 * 2 * default / 2**20, f"{out.strip()} MiB queued: more than 48 default buffers"
