@@ -55,6 +55,18 @@ def sample_table(gens: list, tokenizer, prompts: list) -> pd.DataFrame:
     return df[["request", "position", "text", "token_id", "logprob", "version"]]
 
 # %% ../nbs/26_cli.ipynb #674d7065
+def _count(least: int):
+    "An argparse type: a whole number >= `least`"
+
+    def count(text: str) -> int:
+        n = int(text)  # (not a number: argparse's "invalid count value")
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n}: a cluster's count is a whole number >= {least}")
+        return n
+
+    return count
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="molt-nb", description="molt-nb: agentic RL from a notebook.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -78,8 +90,8 @@ def _parser():
     q = sub.add_parser("plan", help="where a recipe's trainer ranks and engines go on a cluster of a given shape")
     q.add_argument("recipe", help="a recipe directory, e.g. recipes/gsm8k")
     q.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. cluster.engines=4")
-    q.add_argument("--nodes", type=int, required=True, help="nodes of the cluster")
-    q.add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each node")
+    q.add_argument("--nodes", type=_count(1), required=True, help="nodes of the cluster")
+    q.add_argument("--gpus-per-node", type=_count(0), required=True, help="GPUs on each node")
     q.add_argument("--cpus-per-node", type=float, default=16, help="CPUs on each node (each slot reserves 1)")
     q.add_argument("--gpu-gb", type=float, default=None, help="memory of each GPU in GB (default: cluster.gpu_gb)")
     q.add_argument("--json", action="store_true", help="print only the memory plan, as JSON")

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['ROLES', 'LAYOUTS', 'DEVICES', 'NodeShape', 'ClusterShape', 'cluster_shape', 'PlacementError', 'Slot', 'Plan',
-           'gpus_needed', 'check_request', 'Free', 'split_slots', 'colocated_slots', 'single_slots', 'plan',
-           'check_cpus', 'Bundle', 'bundles', 'Placement', 'Where', 'where']
+           'gpus_needed', 'check_shape', 'check_request', 'Free', 'split_slots', 'colocated_slots', 'single_slots',
+           'plan', 'check_cpus', 'Bundle', 'bundles', 'Placement', 'Where', 'where']
 
 # %% ../nbs/12_placement.ipynb #8cae2aee
 from dataclasses import dataclass
@@ -39,6 +39,8 @@ class ClusterShape:
 
     def describe(self) -> str:
         "How many GPUs on how many nodes, in words"
+        if not self.nodes:
+            return '0 (no nodes)'
         counts = {n.gpus for n in self.nodes}
         if len(counts) == 1:
             return f"{self.gpus} ({len(self.nodes)} node{'s' * (len(self.nodes) > 1)} x {counts.pop()})"
@@ -121,6 +123,20 @@ def gpus_needed(layout: str, engines: int, trainer_ranks: int, engine_gpus: int)
     return trainer_ranks + engines * engine_gpus, why
 
 
+def check_shape(shape: ClusterShape, device: str):
+    "Raise a PlacementError unless `shape` has a node, no negative count, and a GPU when `device` is 'cuda'"
+    for i, n in enumerate(shape.nodes):
+        if n.gpus < 0 or n.cpus < 0:
+            raise PlacementError(f"node {i} ({n.node_id}) has {n.gpus} GPUs and {n.cpus:g} CPUs: counts are >= 0")
+    if not shape.nodes:
+        raise PlacementError("the cluster has no nodes: a plan needs at least one (give nodes >= 1)")
+    if device == 'cuda' and not shape.gpus:
+        raise PlacementError(
+            f"device 'cuda', but the widest node has 0 GPUs ({shape.describe()}): give nodes with GPUs, or set "
+            "cluster.device = 'cpu'"
+        )
+
+
 def check_request(shape: ClusterShape, layout: str, engines: int, trainer_ranks: int, engine_gpus: int, device: str):
     "Raise a PlacementError saying what to change if the request cannot be planned on any cluster, or not on `shape`"
     if layout not in LAYOUTS:
@@ -136,7 +152,10 @@ def check_request(shape: ClusterShape, layout: str, engines: int, trainer_ranks:
             f"engine_gpus == 1, got engines={engines}, trainer_ranks={trainer_ranks}, engine_gpus={engine_gpus}; "
             "use layout 'split' otherwise"
         )
-    if device == 'cpu' or not shape.nodes:
+    if not shape.nodes:  # no cluster named: the request alone (`RunConfig.check`)
+        return
+    check_shape(shape, device)
+    if device == 'cpu':
         return
     widest = max(n.gpus for n in shape.nodes)
     if engine_gpus > widest:
@@ -214,6 +233,7 @@ def plan(
     cpus: float = 1,  # CPUs each trainer rank and engine reserves (ignored on 'cpu')
 ) -> Plan:
     "Where each trainer rank and engine runs; raise a PlacementError if it cannot fit"
+    check_shape(shape, device)
     check_request(shape, layout, engines, trainer_ranks, engine_gpus, device)
     if device == 'cpu':
         slots = [Slot('trainer', r, 0) for r in range(trainer_ranks)] + [Slot('engine', e, 0) for e in range(engines)]

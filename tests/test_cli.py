@@ -100,3 +100,24 @@ def test_train_flags_go_anywhere(capsys):
     with pytest.raises(SystemExit):
         cli._parse(["train", "r", "--no-contrl"])  # an unknown flag is still refused
     assert "unrecognized arguments: --no-contrl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "arith"])
+def test_plan_refuses_a_cluster_without_nodes(recipe, capsys, no_checkpoint):
+    """`molt-nb plan --nodes 0` (or negative) is refused with a message: it ended in a TypeError traceback (gsm8k) or
+    planned "on 0 (nodes with GPUs) GPUs" (arith); the placement check refuses it too, for a caller past argparse"""
+    path = str(PARITY.parent / recipe)
+    for nodes in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["plan", path, "--nodes", nodes, "--gpus-per-node", "8"])
+        assert e.value.code == 2 and f"argument --nodes: {nodes}: a cluster's count is a whole number >= 1" in (
+            capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", path, "--nodes", "1", "--gpus-per-node", "-8"])
+    assert "argument --gpus-per-node: -8: a cluster's count is a whole number >= 0" in capsys.readouterr().err
+    args = cli._parse(["plan", path, "--nodes", "1", "--gpus-per-node", "8"])
+    args.nodes = 0
+    with pytest.raises(SystemExit) as e:
+        cli.plan_command(args)
+    assert "does not fit 0 (no nodes) GPUs: the cluster has no nodes" in str(e.value.code), e.value.code

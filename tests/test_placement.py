@@ -240,5 +240,26 @@ def test_cpu_needs_no_group_and_reserves_nothing(seen):
     assert seen['cpu'] == dict(groups=0, cpus=0, node=0, gpus=[], agrees=True)
 
 
+@pytest.mark.parametrize('device', ['cuda', 'cpu'])
+def test_a_shape_without_nodes_gpus_or_with_negative_counts_is_refused(device):
+    "`plan` refuses an empty shape (it gave a TypeError on 'cuda', slots on a node 0 that is not there on 'cpu')"
+    from molt_nb.placement import ClusterShape, NodeShape, PlacementError, plan
+
+    for nodes in (0, -1):
+        with pytest.raises(PlacementError, match='the cluster has no nodes: a plan needs at least one'):
+            plan(ClusterShape.uniform(nodes, 8), 'split', 1, 1, device=device)
+    with pytest.raises(PlacementError, match=r'node 1 \(node1\) has -8 GPUs'):
+        plan(ClusterShape((NodeShape('node0', 0, 8), NodeShape('node1', -8, 8))), 'split', 1, 1, device=device)
+    with pytest.raises(PlacementError, match='has 0 GPUs and -1 CPUs'):
+        plan(ClusterShape.uniform(1, 0, cpus=-1), 'split', 1, 1, device=device)
+    if device == 'cuda':
+        with pytest.raises(
+            PlacementError, match=r"device 'cuda', but the widest node has 0 GPUs \(0 \(2 nodes x 0\)\)"
+        ):
+            plan(ClusterShape.uniform(2, 0), 'split', 1, 1, device=device)
+    else:
+        assert len(plan(ClusterShape.uniform(1, 0), 'split', 1, 1, device=device).slots) == 2
+
+
 if __name__ == '__main__':  # the driver: one process of its own, connected to the simulated cluster only
     print(json.dumps(drive(sys.argv[1])))
