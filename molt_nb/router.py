@@ -11,7 +11,7 @@ import asyncio, collections, time
 import torch
 from fastcore.basics import patch
 from .core import SamplingParams, from_wire, settle_heap, to_wire
-from .engine import Generation, TorchEngine
+from .engine import EngineDead, Generation, TorchEngine
 from .agents import RolloutAborted
 from .config import RunConfig, build_policy, local_checkpoint, policy_is_moe, policy_processor
 from .weight_sync import SyncReport, WeightReceiver, join_transport_group
@@ -139,6 +139,8 @@ class EngineActor:
         await self.intake.take(manifest, kind)
 
     def stats(self) -> dict:
+        if getattr(self.engine, 'error', None) is not None:  # its thread died: the router replaces it
+            raise self.engine.error
         return dict(self.engine.stats, version=self.engine.version)
 
     def close(self):
@@ -150,10 +152,13 @@ class EngineDied(RolloutAborted):
 
 
 def died(e: BaseException) -> bool:
-    """Whether `e` says the engine process is gone (a Ray actor that died; one that is only unreachable for a while,
-    `ActorUnavailableError`, fails the call and is not replaced)"""
+    """Whether `e` says the engine is gone: a Ray actor that died (one only unreachable for a while,
+    `ActorUnavailableError`, fails the call and is not replaced), or an engine whose thread died (`EngineDead`, also
+    as the Ray task error that wraps it)"""
     import ray.exceptions
 
+    if isinstance(e, EngineDead):
+        return True
     return isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.ActorUnavailableError)
 
 
@@ -177,7 +182,7 @@ async def call(engine, name: str, *args):
 
             ray.cancel(ref)
             raise
-    out = fn(*args)
+    out = fn(*args) if callable(fn) else fn  # (a `TorchEngine`'s stats are a dict)
     return await out if asyncio.iscoroutine(out) else out
 
 # %% ../nbs/16_router.ipynb #2984fc23
@@ -220,6 +225,11 @@ class Router:
         )  # at the last `step_metrics`
         self.group = None  # the engines' incarnations when the weight-transport group was built ('broadcast')
         self.readied = asyncio.Condition()  # notified when `sync_weights` puts engines in the rotation
+        # the loop's `async restore()`: with no engine live, it starts replacements at once and loads the trainer's
+        # kept snapshot into them (`until_serving`); None: a request then fails ('all engines died')
+        self.restore, self.restoring = None, None
+        self.outages = 0  # restores started: a rollout that timed out across one was the engines', not its agent's
+        self.last_death = None  # 'engine <slot> (incarnation <n>): <what its call raised>' of the latest death
         self.backend, self.workers = backend, workers
 
     def __repr__(self):
@@ -230,6 +240,12 @@ class Router:
 def serving(self: Router) -> bool:
     "Whether a live engine has the run's weights (a replacement has them once a sync loaded them)"
     return any(map(all, zip(self.alive, self.ready)))  # no Python frame per slot: it runs for every request
+
+
+@patch
+def serving_all(self: Router) -> bool:
+    "Whether every live engine has the run's weights (no replacement waits for them)"
+    return not any(a and not r for a, r in zip(self.alive, self.ready))
 
 
 @patch
@@ -263,10 +279,9 @@ async def generate(
     images=None,  # a VLM's `Images`, whose placeholders `token_ids` holds
 ) -> Generation:
     """Sample on one engine; `EngineDied` if it dies meanwhile (the pool then runs the rollout again elsewhere). While
-    every live engine is a replacement without the run's weights yet, it waits for the sync that loads them"""
+    no live engine has the run's weights it waits for them (`until_serving`)"""
     if not self.serving():
-        async with self.readied:
-            await self.readied.wait_for(lambda: self.serving() or not any(self.alive))
+        await self.until_serving()
     i = self.pick(session_id)
     incarnation = self.incarnation[i]
     self._tick()
@@ -282,7 +297,7 @@ async def generate(
         if not died(e):
             raise
         self.counters['failed_requests'] += 1
-        self._dead(i, incarnation)
+        self._dead(i, incarnation, e)
         raise EngineDied(f"engine {i} died while serving this request ({type(e).__name__})") from None
     finally:
         self._tick()
@@ -290,12 +305,34 @@ async def generate(
 
 
 @patch
-def _dead(self: Router, i: int, incarnation: int):
-    "Slot `i` is dead, if the engine that failed is still the one in it (not one `revive` already replaced)"
+async def until_serving(self: Router):
+    """Wait until a live engine has the run's weights: a replacement gets them from the next sync; with no engine live
+    at all, `restore` starts replacements now (one restore for every request waiting; if it fails, they all raise)"""
+    while not self.serving():
+        if not any(self.alive):
+            if self.restore is None:
+                return  # `pick` says that every engine died
+            if self.restoring is None or (self.restoring.done() and self.restoring.exception() is None):
+                self.restoring, self.outages = asyncio.ensure_future(self.restore()), self.outages + 1
+            await asyncio.shield(self.restoring)  # a rollout's timeout cancels its wait, never the restore
+            continue
+        async with self.readied:
+            await self.readied.wait_for(lambda: self.serving() or not any(self.alive))
+
+
+@patch
+def _dead(self: Router, i: int, incarnation: int, cause: BaseException | None = None):
+    """Slot `i` is dead, if the engine that failed is still the one in it (not one `revive` already replaced); `cause`
+    (what its call raised) is kept as `last_death` for the run's status"""
     if self.alive[i] and self.incarnation[i] == incarnation:
         self._tick()  # the idle clocks stop for it here
         self.alive[i] = False
         self.counters['deaths'] += 1
+        cause = getattr(cause, 'cause', None) or cause  # a Ray task error: the engine's own exception
+        first = (str(cause).strip().splitlines() or [''])[0][:300]
+        self.last_death = f"engine {i} (incarnation {incarnation})" + (
+            '' if cause is None else f": {type(cause).__name__}: {first}"
+        )
 
 # %% ../nbs/16_router.ipynb #1284bd58
 @patch
@@ -386,7 +423,7 @@ async def answers(self: Router, name: str, *args, members: set | None = None) ->
             if not died(r):
                 cause = getattr(r, 'cause', None) or r  # a Ray task error's own message is the remote exception's
                 raise RuntimeError(f"engine {i}: {name} failed: {type(cause).__name__}: {cause}") from r
-            self._dead(i, incarnation)
+            self._dead(i, incarnation, r)
     return [(i, incarnation, r) for (i, incarnation), r in zip(live, out) if not isinstance(r, BaseException)]
 
 
@@ -435,6 +472,8 @@ async def revive(self: Router) -> list:
             import ray
 
             ray.kill(self.engines[i])
+        else:
+            self.engines[i].close()  # an engine in this process: its thread ends
         self.incarnation[i] += 1
         self.engines[i], self._seen[i] = self.make_engine(i, self.incarnation[i]), {}
         self.alive[i], self.ready[i] = True, False
@@ -483,7 +522,8 @@ async def sync_weights(self: Router, trainer, kind: str, version: int) -> SyncRe
     """Load the trainer's weights of `version` into every live engine over transport `kind`, bucket by bucket; the
     engines must be paused (or idle, at the run's start). `await trainer(name, *args)` calls the trainer
     (`send_weights`, and for 'broadcast' `weight_manifest`, `transport_address`, `join_transport`)"""
-    if version <= self.version:
+    # the same version again only into replacements (those `restore` started when none was live got the snapshot)
+    if version < self.version or (version == self.version and self.serving_all()):
         raise ValueError(f"weight sync to version {version}, but the engines are at {self.version}: versions only grow")
     start = time.perf_counter()
     if kind != 'broadcast':

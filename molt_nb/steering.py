@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ENDED', 'NAMESPACE', 'TRAINER_START_S', 'AtStep', 'Steering', 'swap_record', 'swap_from_record', 'actor_options',
-           'start_processes', 'one_line', 'RunActor']
+           'start_processes', 'end_trainer', 'one_line', 'RunActor']
 
 # %% ../nbs/22_steering.ipynb #a2a5fbf5
 import asyncio, base64, json, time, traceback
@@ -61,8 +61,7 @@ class Steering(StepBoundary):
         self.failed_swap = None  # the swaps whose failure paused the run ("estimator 'flaky'")
         self.pause_after = None  # hold before any step after this one
         self.stop_requested = False
-        self.resumed = asyncio.Event()
-        self.resumed.set()
+        self.wake = asyncio.Event()  # set by resume(), stop() and checkpoint(): a paused loop looks again
         self.queued = []  # swaps accepted, for the next step
         self.restored = []  # on a resume: the swaps in effect at the checkpoint, for the fresh trainer
         self.swaps = []  # every swap accepted, in order
@@ -97,9 +96,7 @@ async def train(self: Steering, step: int, work: Collected, train_step) -> StepO
     # the trainer's swaps due at this step, kept until the trainer has taken them (a reward may fail first)
     pending = []
     while True:
-        await self._hold(step)
-        while self.checkpoints:
-            await self._checkpoint_now(work, self.checkpoints.pop(0))
+        await self._hold(step, work)
         swaps = self._due(step)
         at.took += swaps
         pending += [s for s in swaps if s.kind != 'reward']
@@ -117,21 +114,35 @@ async def train(self: Steering, step: int, work: Collected, train_step) -> StepO
 
 
 @patch
-async def _hold(self: Steering, step: int):
-    "Wait while the run is paused before `step`; it shows as paused once the step before has its metrics row"
-    rows = self.orchestrator.store.rows
-    while self.pause_after is not None and step > self.pause_after:
-        if rows and rows[-1]['step'] < step - 1:
-            await asyncio.sleep(0.02)
-            continue
+async def _hold(self: Steering, step: int, work: Collected):
+    """Wait while the run is paused before `step`, taking the checkpoints asked for meanwhile (with `work` as pending
+    data). Both wait until the step before has its metrics row and samples: a pause shows once it is logged, and a
+    checkpoint holds it (in async mode that step still syncs while this one is handed out)"""
+    while True:
+        held = self.pause_after is not None and step > self.pause_after
+        if held or self.checkpoints:
+            await self._logged(step - 1)
+        while self.checkpoints:
+            await self._checkpoint_now(work, self.checkpoints.pop(0))
+        if not (self.pause_after is not None and step > self.pause_after):
+            break
         self.state = 'paused'
         self.reason = self.reason or f"paused before step {step} by pause(): run.resume() goes on"
-        self.resumed.clear()
-        await self.resumed.wait()
+        self.wake.clear()
+        if not self.checkpoints:  # (one asked for while the last was saved)
+            await self.wake.wait()
     if self.state == 'paused':
         self.state = 'running'
     if self.state == 'running':
         self.reason, self.failed_swap = None, None
+
+
+@patch
+async def _logged(self: Steering, step: int):
+    "Wait until `step` has its metrics row (its samples are added before it)"
+    store = self.orchestrator.store
+    while store.rows and store.rows[-1]['step'] < step:
+        await asyncio.sleep(0.02)
 
 
 @patch
@@ -176,6 +187,8 @@ async def _rescore(self: Steering, work: Collected, at: AtStep):
 @patch
 async def _checkpoint_now(self: Steering, work: Collected, done: asyncio.Future):
     "Save now, keeping the batch in hand as pending data (a resume trains it again)"
+    if done.done():  # its caller gave up (`Run.checkpoint`'s timeout cancels it)
+        return
     try:
         state = self.orchestrator.pool.state()
         state['pending'] = sorted(set(state['pending']) | {t.prompt_index for t in work.trajectories})
@@ -252,7 +265,7 @@ def pause(self: Steering, after: int | None = None):
 def resume(self: Steering):
     "Let a paused loop go on"
     self.pause_after = None
-    self.resumed.set()
+    self.wake.set()
     if self.state == 'paused':
         self.state, self.reason, self.failed_swap = 'running', None, None
 
@@ -263,7 +276,7 @@ def stop(self: Steering):
     if self.state in ENDED:
         return
     self.stop_requested, self.pause_after = True, None
-    self.resumed.set()
+    self.wake.set()
     if self.state in ('running', 'paused'):
         self.state, self.failed_swap = 'stopping', None
         self.reason = f"stop(): the run ends after step {self.orchestrator.step + 1} with a checkpoint"
@@ -343,10 +356,25 @@ def _take(self: Steering, s: Swap):
 
 @patch
 async def checkpoint(self: Steering) -> str:
-    "Save a checkpoint at the next step boundary; its path"
+    "Save a checkpoint at the next step boundary (at once when paused); its path"
     done = asyncio.get_running_loop().create_future()
     self.checkpoints.append(done)
+    self.wake.set()
     return await done
+
+
+@patch
+def end_checkpoints(self: Steering, last: str | None):
+    "The run ended: fail every checkpoint still asked for, saying why and naming the run's last one (`last`)"
+    step = self.orchestrator.logged_step()
+    why = (
+        f"run {self.name!r} {self.state} at step {step} before the checkpoint asked for was taken (checkpoints are "
+        f"taken between two steps); its last checkpoint is {last or 'none'}"
+    )
+    for done in self.checkpoints:
+        if not done.done():
+            done.set_exception(RuntimeError(why))
+    self.checkpoints = []
 
 
 @patch
@@ -401,7 +429,7 @@ def start_processes(cfg: RunConfig, name: str) -> tuple:
         named = lambda rank: dict(name=f"{name}/trainer/{rank}", namespace=NAMESPACE)
         trainer = TrainerGroup(cfg, lambda rank: options('trainer', rank) | named(rank))
     else:
-        named = dict(name=f"{name}/trainer", namespace=NAMESPACE, lifetime='detached')
+        named = dict(name=f"{name}/trainer", namespace=NAMESPACE)  # owned by the run's actor: it ends with it
         trainer = ray.remote(Trainer).options(**options('trainer', 0), **named).remote(cfg)
         if c.layout == 'colocated':  # (a group's ranks are built when `TrainerGroup` returns)
             # vLLM profiles its GPU's free memory as it starts and refuses to start if another process frees some
@@ -422,6 +450,16 @@ def start_processes(cfg: RunConfig, name: str) -> tuple:
 # %% ../nbs/22_steering.ipynb #7124daf9
 NAMESPACE = 'molt'  # the Ray namespace runs (a run `name`, its trainer `name/trainer`) are named in
 TRAINER_START_S = 1800.0  # the longest a colocated run waits for its trainer to build (from disk) before its engines
+
+
+def end_trainer(trainer):
+    "End the trainer's processes: every rank of a group, or its one actor (nothing for a trainer in this process)"
+    if isinstance(trainer, TrainerGroup):
+        trainer.kill()
+    elif hasattr(trainer.state, 'remote'):
+        import ray
+
+        ray.kill(trainer)
 
 
 def one_line(e: BaseException) -> str:
@@ -475,9 +513,9 @@ class RunActor:
             if not isinstance(e, Exception):
                 raise
         finally:
+            self.steering.end_checkpoints(latest_checkpoint(self.orchestrator.store.checkpoints))
             self.orchestrator.close()  # the engines
-            if isinstance(self.orchestrator.trainer, TrainerGroup):
-                self.orchestrator.trainer.kill()
+            end_trainer(self.orchestrator.trainer)  # its memory (model, optimizer, snapshot) is free again
             if self.placement is not None:
                 self.placement.remove()  # every GPU the run reserved is free again
 
@@ -505,6 +543,7 @@ async def status(self: RunActor) -> dict:
         last_eval=orch.last_eval,
         failure_rate=orch.train_failures.rate,
         failures=orch.failure_table(),
+        engines=dict(orch.engine.counters, alive=sum(orch.engine.alive), last_death=orch.engine.last_death),
     )
 
 

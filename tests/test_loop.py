@@ -18,9 +18,14 @@ def config(tmp_path, *overrides, recipe=PARITY):
 
 def finish(cfg, **kw) -> tuple:
     "Launch `cfg` under a name of its own and wait for it to end; (its last metrics row, its store)"
+    import ray
+    from molt_nb.steering import NAMESPACE
+
     run = launch(cfg, name=f"loop-{time.monotonic_ns()}", **kw)
     try:
         run.wait(timeout=600)
+        named = {a['name'] for a in ray.util.list_named_actors(all_namespaces=True) if a['namespace'] == NAMESPACE}
+        assert f"{run.name}/trainer" not in named, 'the trainer outlived its run'  # (it held the model, optimizer)
         return run.metrics().iloc[-1].dropna().to_dict(), RunStore(cfg.run_dir)
     finally:
         run.kill()
@@ -151,7 +156,9 @@ def test_kill_then_resume_continues(ray_local, tmp_path):
     ):
         assert time.time() < deadline, "no checkpoint within 2 minutes"
         time.sleep(0.2)
-    run.kill()
+    import ray
+
+    ray.kill(run.actor)  # the run's actor alone dies (an OOM, a kill from the dashboard): its trainer ends with it
     gone(run)  # ray.kill only asks: a checkpoint may still land until both actors are dead
     ckpt = latest_checkpoint(ckpts)
     state = json.loads((ckpt / 'state.json').read_text())
@@ -159,13 +166,19 @@ def test_kill_then_resume_continues(ray_local, tmp_path):
     saved = torch.load(ckpt / 'trainer.pt', weights_only=False)['optimizer']
 
     # resume with nothing left to train: the trainer's restored optimizer state is the checkpoint's
-    import dataclasses, ray
+    import dataclasses
     from molt_nb.steering import NAMESPACE
 
-    cfg_at = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step))
-    probe = launch(cfg_at, name='probe', from_checkpoint=True)
-    probe.wait(timeout=600)
-    trainer = ray.get_actor('probe/trainer', namespace=NAMESPACE)
+    # (held before its first step: the trainer of a run that ended has ended with it)
+    cfg_at = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, steps=step + 1))
+    probe = launch(cfg_at, name='killed', from_checkpoint=True, start=False)  # the name is free again
+    probe.pause(after=step)
+    probe.start()
+    deadline = time.time() + 300
+    while (st := probe.status())['state'] != 'paused':
+        assert time.time() < deadline and st['state'] == 'running', st
+        time.sleep(0.2)
+    trainer = ray.get_actor('killed/trainer', namespace=NAMESPACE)
     restored = ray.get(trainer.optimizer_state.remote())
     assert restored['state'].keys() == saved['state'].keys()
     for k in saved['state']:
@@ -361,3 +374,41 @@ def test_engine_idle_split_names_the_cause(ray_local, tmp_path):
     share, gap = idle_causes(slow)
     assert gap < 1e-6
     assert share["starved"] > 0.5, share
+
+
+def test_a_lone_engine_killed_mid_run_is_restored_at_once(ray_local, tmp_path):
+    """One engine actor (as every GPU run with engines = 1) killed after step 2 in async mode: the requests it served
+    are aborted, the waiting ones share one restore (a new engine loaded with the trainer's kept snapshot), the run
+    trains on without counting the outage as agent failures, and nothing relaunches groups in a tight loop"""
+    import asyncio, ray
+    from molt_nb.loop import Orchestrator, Trainer
+    from molt_nb.router import EngineActor
+
+    cfg = config(tmp_path, 'loop.mode="async"', 'loop.steps=6', 'rollout.max_tokens=24', 'loop.debug=false')
+    actor, made = ray.remote(EngineActor).options(num_cpus=0), []
+
+    def make_engine(slot: int, incarnation: int):
+        made.append(actor.remote(cfg, slot + incarnation))
+        return made[-1]
+
+    orch = Orchestrator(cfg, Trainer(cfg), make_engine=make_engine)
+
+    async def go():
+        task = asyncio.ensure_future(orch.run())
+        deadline = time.monotonic() + 300
+        while orch.logged_step() < 2:
+            assert time.monotonic() < deadline and not task.done(), 'step 2 was never logged'
+            await asyncio.sleep(0.05)
+        ray.kill(made[0])
+        start = time.monotonic()
+        await asyncio.wait_for(task, 300)
+        return time.monotonic() - start
+
+    seconds = asyncio.run(go())
+    orch.close()
+    c, pool = orch.engine.counters, orch.pool
+    assert orch.store.rows[-1]['step'] == 6 and len(made) == 2 and c['deaths'] == 1 and c['restarts'] == 1, (c, made)
+    assert 'engine 0 (incarnation 0)' in orch.engine.last_death
+    assert orch.train_failures.rate <= cfg.rollout.max_failure_rate and not orch.train_failures.counts
+    attempts = pool.counters['restarted'] + sum(pool.failures.counts.values()) + pool.counters['rollouts/ok']
+    assert attempts / seconds < 500, (attempts, seconds)  # the busy loop made 23,000 attempts a second

@@ -30,6 +30,9 @@ class Stub:
     async def stats(self):
         return dict(busy_s=0.0)
 
+    def close(self):
+        pass
+
 
 async def trainer(name, *args):
     assert name == 'send_weights'
@@ -105,5 +108,78 @@ def test_a_broadcast_an_engine_dies_in_runs_again_without_it_on_a_new_group():
         assert joins == [4, 3]  # the trainer and 3 engines, then the trainer and the 2 that live
         assert router.group == ((1, 0), (2, 0))
         assert [e.version for e in router.engines] == [0, 3, 3] and report[0].version == 3
+
+    asyncio.run(go())
+
+
+def test_with_no_engine_live_the_waiting_requests_share_one_restore():
+    """The lone engine died: requests do not fail ('all engines died') nor wait for a sync that needs a step; they wait
+    while one restore (the loop's: revive, load the trainer's kept snapshot) brings a replacement, then run on it"""
+
+    async def go():
+        router = Router(lambda slot, inc: Stub(slot, inc, set()), 1, vocab_size=8, version=0)
+        await router.sync_weights(trainer, 'inprocess', 3)
+        restores = []
+
+        async def restore():
+            restores.append(await router.revive())
+            await asyncio.sleep(0.05)  # an engine takes a while to start
+            await router.sync_weights(trainer, 'inprocess', 3)  # the snapshot kept: the engines' version
+
+        router.restore = restore
+        router._dead(0, 0)
+        got = await asyncio.wait_for(asyncio.gather(*[router.generate([1]) for _ in range(5)]), 5)
+        assert got == [(0, 3)] * 5 and restores == [[0]] and router.counters['restarts'] == 1
+        with pytest.raises(ValueError, match='versions only grow'):  # every live engine has it: nothing to load
+            await router.sync_weights(trainer, 'inprocess', 3)
+
+    asyncio.run(go())
+
+
+def test_a_restore_that_fails_fails_every_waiting_request_and_is_not_retried():
+    async def go():
+        router = Router(lambda slot, inc: Stub(slot, inc, set()), 1, vocab_size=8, version=0)
+        calls = []
+
+        async def restore():
+            calls.append(1)
+            raise RuntimeError('no GPU left for a replacement')
+
+        router.restore = restore
+        router._dead(0, 0)
+        got = await asyncio.gather(*[router.generate([1]) for _ in range(3)], return_exceptions=True)
+        assert all('no GPU left' in str(e) for e in got), got
+        with pytest.raises(RuntimeError, match='no GPU left'):
+            await router.generate([1])
+        assert calls == [1]
+
+    asyncio.run(go())
+
+
+def test_an_engine_whose_thread_died_is_replaced_and_named():
+    """An engine in this process whose thread died raises `EngineDead`: the router takes it for a dead engine (the
+    request is aborted to run again, the slot revived), and keeps why for the run's status"""
+    from molt_nb.engine import EngineDead
+    from molt_nb.router import EngineDied
+
+    class Dying(Stub):
+        async def generate(self, *a, **kw):
+            if self.incarnation == 0:
+                raise EngineDead('TorchEngine (nonce 0) died: its thread raised OutOfMemoryError: CUDA out of memory')
+            return await super().generate(*a, **kw)
+
+    async def go():
+        router = Router(lambda slot, inc: Dying(slot, inc, set()), 1, vocab_size=8, version=0)
+        await router.sync_weights(trainer, 'inprocess', 2)
+
+        async def restore():
+            await router.revive()
+            await router.sync_weights(trainer, 'inprocess', 2)
+
+        router.restore = restore
+        with pytest.raises(EngineDied):
+            await router.generate([1])
+        assert router.alive == [False] and 'EngineDead: TorchEngine (nonce 0) died' in router.last_death
+        assert await asyncio.wait_for(router.generate([1]), 5) == (0, 2)
 
     asyncio.run(go())
