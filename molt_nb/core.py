@@ -421,7 +421,7 @@ def extend(
     )
     # `self` was checked when it was built: only the appended tokens need checking (the constructor explains a failure)
     if not _appended_valid(ids, lp, vs, sampled, self.vocab_size) or (
-        new_routes is not None and bool((new_routes < -1).any())
+        new_routes is not None and (new_routes.ndim != 3 or new_routes.shape[0] != n or bool((new_routes < -1).any()))
     ):
         return Segment(*fields)
     return _trusted(*fields)
