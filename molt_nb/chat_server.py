@@ -8,16 +8,19 @@ __all__ = ['ChatError', 'openai_error', 'anthropic_error', 'from_openai', 'from_
            'anthropic_body', 'anthropic_events', 'ChatLimits', 'ChatServer']
 
 # %% ../nbs/06_chat_server.ipynb #73064b1d
-import asyncio, base64, binascii, concurrent.futures, contextlib, functools, gc, hashlib, io, json, math, logging, re
-import secrets, sys, time, uuid
+import asyncio, base64, binascii, collections, concurrent.futures, contextlib, functools, gc, hashlib, io, json, math
+import logging, re, resource, secrets, sys, time, uuid
+import h11
 import numpy as np
 from dataclasses import dataclass, field
 from typing import Any
 from fastcore.basics import patch
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from .core import Segment, SamplingParams
@@ -41,13 +44,22 @@ def anthropic_error(e: ChatError) -> dict:
     return dict(type='error', error=dict(type=e.kind, message=e.message))
 
 
+# a few workers (not Python's default of up to 32) keep the event loop's share of the GIL when many big requests arrive
+# at once; small requests get workers of their own, so a small turn never waits behind other sessions' big ones
+# (issue 47: four 4 MiB requests held a small turn 33.5 s)
 _WORK = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix='molt-chat')
+_QUICK = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix='molt-chat-quick')
+_SMALL_BYTES = 64 << 10  # a request of at most this many bytes is small
 
 
-async def _off_loop(fn, *args):
-    """`fn(*args)` on the server's small worker pool: parsing and tokenising big requests leave the event loop free,
-    and a few workers (not Python's default of up to 32) keep the loop's share of the GIL when many arrive at once"""
-    return await asyncio.get_running_loop().run_in_executor(_WORK, functools.partial(fn, *args))
+async def _off_loop(
+    fn,
+    *args,
+    size: int | None = None,  # the request's bytes, which pick the pool (None: a big request)
+):
+    "`fn(*args)` on a worker thread: parsing and tokenising leave the event loop free"
+    pool = _QUICK if size is not None and size <= _SMALL_BYTES else _WORK
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ChatError:
@@ -611,6 +623,14 @@ def _prepare(s: Session, tokenizer, messages: list, tools, max_tokens, stop_toke
     return key, None if _is_retry(s, key, headers) else _context(s, tokenizer, messages, tools)
 
 # %% ../nbs/06_chat_server.ipynb #04521f8f
+def _context_limit(s: Session) -> tuple:
+    "(tokens the session's context holds, why, for a message): its max_context, or its engine's smaller max_model_len"
+    engine = getattr(s.engine, 'max_model_len', None)
+    if isinstance(engine, int) and 0 < engine < s.max_context:
+        return engine, f" (the engine's max_model_len; the session was opened with max_context {s.max_context})"
+    return s.max_context, ''
+
+# %% ../nbs/06_chat_server.ipynb #7b3a680f
 async def chat_turn(
     s: Session,
     tokenizer,
@@ -621,6 +641,7 @@ async def chat_turn(
     headers=None,  # the request's headers: `Idempotency-Key` and `x-stainless-retry-count` tell retries
     temperature: float | None = None,
     top_p: float | None = None,  # the request's, if it set them
+    size: int | None = None,  # the request's bytes: a small one is tokenised on workers of its own (None: big)
 ) -> Reply:
     "Sample the model's reply to a canonical request and record it in the session (the caller holds `s.lock`)"
     if not messages:
@@ -640,14 +661,16 @@ async def chat_turn(
                 name,
             )
     # rendering and tokenising a long conversation takes a while: off the event loop, so other sessions go on
-    key, context = await _off_loop(_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
+    prepare = (_prepare, s, tokenizer, messages, tools, max_tokens, stop_token_ids, headers)
+    key, context = await _off_loop(*prepare, size=size)
     if context is None:
         return s.reply  # a retry: the same reply, nothing recorded
     sealed, seg = context
-    room = s.max_context - len(seg)
+    limit, why = _context_limit(s)
+    room = limit - len(seg)
     if room < 1:
         raise _bad(
-            f"the conversation is {len(seg)} tokens and the context holds {s.max_context}: shorten or compact the "
+            f"the conversation is {len(seg)} tokens and the context holds {limit}{why}: shorten or compact the "
             "conversation",
             'messages',
             'context_length_exceeded',
@@ -682,7 +705,7 @@ async def chat_turn(
 class OpenAIRequest(BaseModel):
     "The fields of an OpenAI chat completion request the server reads"
 
-    model_config = ConfigDict(extra='allow')
+    model_config = ConfigDict(extra='allow', strict=True)  # strict: "8" is not an integer, "true" not a boolean
     model: str
     messages: list
     tools: list | None = None
@@ -701,7 +724,7 @@ class OpenAIRequest(BaseModel):
 class AnthropicRequest(BaseModel):
     "The fields of an Anthropic messages request the server reads"
 
-    model_config = ConfigDict(extra='allow')
+    model_config = ConfigDict(extra='allow', strict=True)
     model: str
     messages: list
     max_tokens: int
@@ -814,15 +837,16 @@ def _openai_call(req: OpenAIRequest, tokenizer, media: _Media | None = None) -> 
         choice, name = 'named', fn['name']
     if choice is not None:
         tools = _tool_choice(choice, tools, name)
-    mt = req.max_completion_tokens or req.max_tokens
-    if mt is not None and mt < 1:
-        raise _bad(f"max_tokens is {mt}: ask for at least one token", 'max_tokens')
+    for name in ('max_completion_tokens', 'max_tokens'):
+        if (value := getattr(req, name)) is not None and value < 1:
+            raise _bad(f"{name} is {value}: ask for at least one token", name)
+    mt = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     return messages, tools, mt, _stop_ids(tokenizer, req.stop, 'stop', _MAX_STOPS['openai'])
 
 
 def _anthropic_call(req: AnthropicRequest, tokenizer, media: _Media | None = None) -> tuple:
     if req.max_tokens < 1:
-        raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token")
+        raise _bad(f"max_tokens is {req.max_tokens}: ask for at least one token", 'max_tokens')
     _unserved(req, _ANTHROPIC_UNSERVED)
     messages, tools = from_anthropic(req.system, req.messages, req.tools, media)
     if req.tool_choice is not None:
@@ -996,7 +1020,9 @@ class ChatLimits:
     max_tool_calls: int = 128  # tool calls in one assistant message (tool_use blocks on Anthropic)
     max_parts: int = 1024  # content parts (OpenAI) or blocks (Anthropic) in one message or system prompt
     max_depth: int = 64  # JSON nesting depth of the body (deeper bodies would make the JSON parser recurse)
-    max_connections: int = 1024  # uvicorn's limit_concurrency: connections and requests beyond it get a 503
+    max_connections: int = 1024  # requests in flight at once (a connection each): beyond, a 503 overloaded_error
+    max_pending: int = 2048  # connections owing a request header, the run's own aside: beyond, the oldest is closed
+    header_timeout: float = 5.0  # seconds a connection has to send a request header (from connecting or its reply)
     max_images: int = 16  # images in one request (a multimodal server's; a text server refuses any)
     max_image_bytes: int = 1 << 20  # one image's encoded bytes: beyond, a 413
     max_image_pixels: int = 1 << 22  # one image's width x height, read from its header before decoding: beyond, a 413
@@ -1048,7 +1074,8 @@ async def start(self: ChatServer) -> ChatServer:
         log_level='warning',
         access_log=False,
         lifespan='off',
-        limit_concurrency=self.limits.max_connections,
+        http=functools.partial(_Protocol, doorman=_Doorman(self)),  # h11 with the guards of *Connections* below
+        ws='none',
     )
     self._server, self.loop = _Uvicorn(config), asyncio.get_running_loop()
     # a full collection of the cyclic GC walks every object of the process (half a million once torch and a model are
@@ -1107,10 +1134,19 @@ def _error_response(e: ChatError, wire: str) -> JSONResponse:
     )
 
 
-def _check_token(server: ChatServer, request: Request):
-    auth = request.headers.get('authorization', '')
-    given = auth[7:] if auth.lower().startswith('bearer ') else request.headers.get('x-api-key', '')
-    if not (given and secrets.compare_digest(given.encode(), server.token.encode())):
+def _given_token(headers) -> str:
+    "The token a request carries: `Authorization: Bearer` (OpenAI SDKs) or `x-api-key` (Anthropic SDKs)"
+    auth = headers.get('authorization', '')
+    return auth[7:] if auth.lower().startswith('bearer ') else headers.get('x-api-key', '')
+
+
+def _authentic(server: ChatServer, given: str) -> bool:
+    return bool(given) and secrets.compare_digest(given.encode(), server.token.encode())
+
+
+def _check_token(server: ChatServer, headers):
+    given = _given_token(headers)
+    if not _authentic(server, given):
         raise ChatError(
             401,
             'authentication_error',
@@ -1119,7 +1155,7 @@ def _check_token(server: ChatServer, request: Request):
         )
 
 
-_INLINE_BYTES = 64 << 10  # bodies above this are parsed on a worker thread, so the event loop keeps serving
+_INLINE_BYTES = _SMALL_BYTES  # bodies above this are parsed on a worker thread, so the event loop keeps serving
 
 
 async def _body(request: Request, model: type, limits: ChatLimits, wire: str) -> tuple:
@@ -1139,6 +1175,33 @@ def _validate(model: type, data: dict):
         raise _bad(f"{field}: {err['msg']}{got}: send it as the API reference documents it", field) from None
 
 # %% ../nbs/06_chat_server.ipynb #949a23af
+class _Gate:
+    "ASGI middleware: the token, then the load, checked before any route is (only /health is open)"
+
+    def __init__(self, app, server: ChatServer):
+        self.app, self.server, self.in_flight = app, server, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http' or scope['path'] == '/health':
+            return await self.app(scope, receive, send)
+        try:
+            _check_token(self.server, Headers(scope=scope))
+            if self.in_flight >= self.server.limits.max_connections:
+                raise ChatError(
+                    503,
+                    'overloaded_error',
+                    f"the server has {self.in_flight} requests in flight, its most (ChatLimits.max_connections): "
+                    "send fewer at once",
+                )
+        except ChatError as e:
+            return await _error_response(e, _wire(scope['path']))(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+# %% ../nbs/06_chat_server.ipynb #336a4cfb
 def _models(server: ChatServer, anthropic: bool) -> dict:
     if anthropic:
         return dict(
@@ -1163,8 +1226,7 @@ async def _stream(events: list):
 
 
 async def _chat(server: ChatServer, request: Request, session_id: str, wire: str):
-    "One chat request of either wire"
-    _check_token(server, request)
+    "One chat request of either wire (its token checked by `_Gate`)"
     req, size = await _body(request, AnthropicRequest if wire == 'anthropic' else OpenAIRequest, server.limits, wire)
     if req.model != server.model_name:
         raise ChatError(
@@ -1188,7 +1250,7 @@ async def _chat(server: ChatServer, request: Request, session_id: str, wire: str
     )
     # images are decoded off the loop whatever their size: a small PNG can decode to megabytes
     off = size > _INLINE_BYTES or media is not None
-    messages, tools, max_tokens, stops = await _off_loop(decode) if off else decode()
+    messages, tools, max_tokens, stops = await _off_loop(decode, size=size) if off else decode()
     async with s.lock:
         r = await chat_turn(
             s,
@@ -1200,6 +1262,7 @@ async def _chat(server: ChatServer, request: Request, session_id: str, wire: str
             headers=request.headers,
             temperature=req.temperature,
             top_p=req.top_p,
+            size=size,
         )
     if wire == 'anthropic':
         rid = f"msg_{s.id}_{r.index}"
@@ -1218,7 +1281,7 @@ async def _chat(server: ChatServer, request: Request, session_id: str, wire: str
         )
     return JSONResponse(openai_body(r, req.model, rid, bool(req.logprobs)))
 
-# %% ../nbs/06_chat_server.ipynb #336a4cfb
+# %% ../nbs/06_chat_server.ipynb #7f2fd3c1
 def _app(server: ChatServer) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     log = logging.getLogger('molt_nb.chat_server')
@@ -1229,14 +1292,15 @@ def _app(server: ChatServer) -> FastAPI:
         except ChatError as e:
             return _error_response(e, wire)
         except Exception as e:
-            log.exception('chat request failed')
+            incident = uuid.uuid4().hex[:12]  # the body names the error's type only: its text may hold paths
+            log.exception('chat request failed (incident %s)', incident)
             return _error_response(
                 ChatError(
                     500,
                     'api_error',
-                    f"the server failed on this request ({type(e).__name__}: {e}): a bug in the server, not in the "
-                    "request, so a retry fails the same way; the session is unchanged; report it with the server's "
-                    "log",
+                    f"the server failed on this request ({type(e).__name__}, incident {incident} in the server's "
+                    "log): a bug in the server, not in the request, so a retry fails the same way; the session is "
+                    "unchanged; report it with the incident",
                 ),
                 wire,
             )
@@ -1248,11 +1312,7 @@ def _app(server: ChatServer) -> FastAPI:
     @app.get('/v1/models')
     @app.get('/s/{session_id}/v1/models')
     async def models(request: Request, session_id: str | None = None):
-        async def run():
-            _check_token(server, request)
-            return JSONResponse(_models(server, 'anthropic-version' in request.headers))
-
-        return await guarded(request, 'openai', run)
+        return JSONResponse(_models(server, 'anthropic-version' in request.headers))
 
     @app.post('/s/{session_id}/v1/chat/completions')
     async def openai_chat(request: Request, session_id: str):
@@ -1275,6 +1335,7 @@ def _app(server: ChatServer) -> FastAPI:
             _wire(request.url.path),
         )
 
+    app.add_middleware(_Gate, server=server)
     return app
 
 # %% ../nbs/06_chat_server.ipynb #h1lim02
@@ -1334,7 +1395,8 @@ def _parse(raw: bytes, limits: ChatLimits, wire: str) -> dict:
         "schemas rarely need 10 levels)"
     )
     try:
-        data = json.loads(raw, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        # decoded here, strictly: json.loads of bytes lets surrogates' bytes through (CESU-8 `ED A0 80`)
+        data = json.loads(raw.decode('utf-8'), parse_int=_int, parse_float=_float, parse_constant=_constant)
     except RecursionError:
         raise deep from None  # the C parser stops at Python's recursion limit
     except UnicodeDecodeError as e:
@@ -1442,11 +1504,109 @@ def _fits(server: ChatServer, s: Session, messages: list, *rest) -> tuple:
         len(text(m['content']).strip()) for m in messages if m['role'] != 'assistant'
     )  # templates may trim; assistant turns are ours
     floor = -(-chars // server.token_chars)
-    if floor >= s.max_context:
+    limit, why = _context_limit(s)
+    if floor >= limit:
         raise _bad(
             f"the conversation is at least {floor} tokens ({chars} characters of text) and the context holds "
-            f"{s.max_context}: shorten or compact the conversation",
+            f"{limit}{why}: shorten or compact the conversation",
             'messages',
             'context_length_exceeded',
         )
     return messages, *rest
+
+# %% ../nbs/06_chat_server.ipynb #66e1d49c
+class _Doorman:
+    "The connections that owe the server a request header: a deadline each, and the longest waiting closed past a cap"
+
+    def __init__(self, server: ChatServer):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.server, self.deadlines = server, {}
+        self.cap = (
+            server.limits.max_pending if soft == resource.RLIM_INFINITY else min(server.limits.max_pending, soft // 2)
+        )
+        self.waiting = collections.OrderedDict()  # {protocol: None}, longest waiting first
+
+    def expect(self, conn):
+        "`conn` now owes a request header: it just connected, or its reply was sent"
+        self.forget(conn)
+        self.deadlines[conn] = conn.loop.call_later(self.server.limits.header_timeout, self.drop, conn)
+        if conn.trusted:
+            return  # the run's own client: not counted
+        self.waiting[conn] = None
+        while len(self.waiting) > self.cap:
+            self.drop(next(iter(self.waiting)))
+
+    def forget(self, conn):
+        "`conn` sent its header, or closed"
+        self.waiting.pop(conn, None)
+        if (timer := self.deadlines.pop(conn, None)) is not None:
+            timer.cancel()
+
+    def drop(self, conn):
+        self.forget(conn)
+        conn.transport.close()
+
+    def admit(self, conn, headers: list):
+        "`conn` sent a whole request header (`headers`: h11's (name, value) pairs); the token makes it trusted"
+        self.forget(conn)
+        found = {name.decode(): value.decode('latin-1') for name, value in headers if name in _AUTH_HEADERS}
+        conn.trusted = conn.trusted or _authentic(self.server, _given_token(found))
+
+
+_AUTH_HEADERS = (b'authorization', b'x-api-key')
+
+# %% ../nbs/06_chat_server.ipynb #ccdbc2c0
+class _Framing(h11.Connection):
+    "h11, refusing the framing it lets through (Content-Length with Transfer-Encoding), telling each request's header"
+
+    on_request, refusal, target = None, None, b''
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self.target = event.target
+            names = {name for name, _ in event.headers}
+            if {b'content-length', b'transfer-encoding'} <= names:
+                self.refusal = (
+                    "the request has both Content-Length and Transfer-Encoding, which frame its body two ways (a "
+                    "request smuggled inside it): send one of them"
+                )
+                raise h11.RemoteProtocolError(self.refusal)
+            self.on_request(event)
+        return event
+
+# %% ../nbs/06_chat_server.ipynb #c0f09dfe
+class _Protocol(H11Protocol):
+    "uvicorn's h11 protocol with a header deadline, a cap on connections owing a header, and strict framing"
+
+    def __init__(self, *args, doorman: _Doorman, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.doorman, self.trusted = doorman, False
+        self.conn = _Framing(h11.SERVER, self.config.h11_max_incomplete_event_size or 16 << 10)
+        self.conn.on_request = lambda event: doorman.admit(self, event.headers)
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.doorman.expect(self)
+
+    def connection_lost(self, exc):
+        self.doorman.forget(self)
+        super().connection_lost(exc)
+
+    def on_response_complete(self):
+        if not self.transport.is_closing():
+            self.doorman.expect(self)  # before uvicorn reads a pipelined request, which admits it again
+        super().on_response_complete()
+
+    def send_400_response(self, msg: str):
+        "h11's refusal of a request as the wire's 400, then close"
+        why = self.conn.refusal or "the request is not valid HTTP/1.1 (h11 refused it): send a well-formed request"
+        wire = _wire(self.conn.target.partition(b'?')[0].decode('latin-1'))
+        e = _bad(why)
+        body = json.dumps(anthropic_error(e) if wire == 'anthropic' else openai_error(e)).encode()
+        headers = [(b'content-type', b'application/json'), (b'content-length', str(len(body)).encode())]
+        headers += [(b'connection', b'close'), (b'x-should-retry', b'false')]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b'Bad Request'), h11.Data(data=body)):
+            self.transport.write(self.conn.send(event))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()

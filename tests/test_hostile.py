@@ -105,6 +105,7 @@ def _hostile(wire: str) -> list:
         ),
         ('NaN', raw(max_tokens=1).replace(b'"max_tokens": 1', b'"max_tokens": NaN'), 400, 'not JSON'),
         ('lone surrogate', user('a\ud800b'), 400, 'lone surrogate'),
+        ('CESU-8 surrogate bytes', user('aXb').replace(b'X', b'\xed\xa0\x80'), 400, 'not valid UTF-8'),
         ('invalid UTF-8', user('aXb').replace(b'X', b'\xff\xfe'), 400, 'not valid UTF-8'),
         ('truncated JSON', raw()[:-3], 400, 'not valid JSON'),
         ('body is a list', b'[]', 400, 'send a JSON object'),
@@ -129,6 +130,8 @@ def _hostile(wire: str) -> list:
         ('max_tokens is a word', raw(max_tokens='many'), 400, 'max_tokens'),
         ('max_tokens is a float', raw(max_tokens=1.5), 400, 'max_tokens'),
         ('max_tokens is 0', raw(max_tokens=0), 400, 'at least one token'),
+        ('max_tokens is a string of digits', raw(max_tokens='8'), 400, 'max_tokens: Input should be a valid integer'),
+        ('stream is a string', raw(stream='true'), 400, 'stream: Input should be a valid boolean'),
         ('stream is a list', raw(stream=[]), 400, 'stream'),
         ('tools is a string', raw(tools='x'), 400, 'tools'),
         ('tool is a number', raw(tools=[5]), 400, 'tools[0]'),
@@ -207,6 +210,14 @@ def _hostile(wire: str) -> list:
             ),
             ('function tool is a string', raw(tools=[dict(type='function', function='x')]), 400, 'tools[0]'),
             ('n is a word', raw(n='x'), 400, 'n'),
+            ('n is a string of digits', raw(n='1'), 400, 'n: Input should be a valid integer'),
+            ('max_completion_tokens is 0', raw(max_completion_tokens=0), 400, 'max_completion_tokens is 0'),
+            (
+                'max_completion_tokens is a string of digits',
+                raw(max_completion_tokens='8'),
+                400,
+                'max_completion_tokens: Input should be a valid integer',
+            ),
             ('stream_options is a number', raw(stream_options=5), 400, 'stream_options'),
         ]
     else:
@@ -329,19 +340,48 @@ def test_wrong_auth_is_refused_before_the_body_is_read(model):
     asyncio.run(main())
 
 
-def test_a_connection_flood_gets_503_and_the_server_recovers(model):
-    "Beyond ChatLimits.max_connections open connections uvicorn answers 503 (limit_concurrency) instead of taking more"
+class _Held:
+    "An engine whose turns wait until released: their requests stay in flight"
+
+    def __init__(self, engine):
+        self.engine, self.release, self.waiting = engine, asyncio.Event(), 0
+
+    async def generate(self, token_ids, sampling, session_id=None):
+        self.waiting += 1
+        await self.release.wait()
+        return await self.engine.generate(token_ids, sampling, session_id)
+
+
+def test_requests_past_max_connections_get_a_503_in_the_wire_shape_and_the_server_recovers(model):
+    """Beyond ChatLimits.max_connections requests in flight a request is a 503 in its wire's JSON shape; idle
+    connections count for nothing (they are ChatLimits.max_pending's)"""
 
     async def main():
         engine, server, s, urls, auth = await _serve(model, max_connections=8)
+        held = _Held(engine)
+        busy = [server.open(held, SAMPLING, 512) for _ in range(8)]
         idle = [await asyncio.open_connection('127.0.0.1', server.port) for _ in range(8)]
-        async with httpx2.AsyncClient(timeout=5) as http:
-            assert (await http.get(f"{server.url}/health")).status_code == 503
-            for _, writer in idle:
-                writer.close()
-            await asyncio.sleep(0.2)
+        async with httpx2.AsyncClient(timeout=10, limits=httpx2.Limits(max_connections=32)) as http:
             assert (await http.get(f"{server.url}/health")).status_code == 200
+            flight = [
+                asyncio.ensure_future(
+                    http.post(f"{server.base_url(b.id)}/chat/completions", headers=auth, json=_good('openai', k))
+                )
+                for k, b in enumerate(busy)
+            ]
+            for _ in range(500):
+                if held.waiting == 8:
+                    break
+                await asyncio.sleep(0.01)
+            for wire in ('openai', 'anthropic'):
+                res = await http.post(urls[wire], headers=auth, json=_good(wire, 0))
+                _check_error(res, wire, 503, 'ChatLimits.max_connections')
+                assert res.json()['error']['type'] == 'overloaded_error'
+            held.release.set()
+            assert [r.status_code for r in await asyncio.gather(*flight)] == [200] * 8
             await _check_serves(http, s, urls, auth, 'openai', 0)
+        for _, writer in idle:
+            writer.close()
         await server.stop()
         engine.close()
 
