@@ -7,7 +7,8 @@ __all__ = ['CHECKPOINT_FORMATS', 'LOGIT_TRANSFORMS', 'METRIC_KEYS', 'lr_factor',
            'shard_model', 'sum_gradients', 'Backend', 'TorchBackend', 'FSDP2Backend', 'StepResult', 'PolicyActor',
            'prefix_plan', 'cache_keyword', 'shared_prefix_logprobs', 'chunk_logits', 'ChunkedLogprobs', 'output_head',
            'scoring_head', 'one_per_target', 'BackwardError', 'latest_checkpoint', 'tied_names', 'rng_states',
-           'checkpoint_dir', 'trainer_state']
+           'sync_tree', 'discard', 'Retention', 'checkpoint_states', 'prune_checkpoints', 'checkpoint_dir',
+           'trainer_state']
 
 # %% ../nbs/15_actor.ipynb #6b2a71de
 import inspect, json, math, os, random, shutil, uuid
@@ -126,7 +127,7 @@ class Backend(Protocol):
     def reshard(self, model): ...  # free weights a forward gathered (before a step changes the shards)
     def clip_grad_norm(self, params: list, max_norm: float) -> Tensor: ...  # clip; the whole model's norm
     def export_weights(self, model, dtype=None): ...  # yields (engine name, full tensor), one at a time, every rank
-    def save(self, actor, root: Path, extra: dict | None) -> Path: ...  # `PolicyActor.save`
+    def save(self, actor, root: Path, extra: dict | None, retention=None) -> Path: ...  # `PolicyActor.save`
     def load(self, actor, path) -> dict: ...  # `PolicyActor.load`
 
 
@@ -800,15 +801,72 @@ def rng_states() -> dict:
     return dict(torch=torch.get_rng_state(), python=random.getstate())
 
 # %% ../nbs/15_actor.ipynb #6ae85846
+def sync_tree(
+    path: Path,
+    files: bool = True,  # False: `path` alone (a folder's entries, e.g. after a rename in it)
+):
+    "fsync every file and folder under `path`, and `path` itself: what was written there survives a power loss"
+    walk = os.walk(path, topdown=False) if files else [(path, [], [])]
+    for folder, _, names in walk:
+        for name in [*names, None]:
+            fd = os.open(Path(folder, name) if name else folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def discard(path: Path):
+    "Remove directory `path`: renamed to a hidden temporary name first, so a crash never leaves half of it visible"
+    trash = path.with_name(f".tmp_{uuid.uuid4().hex}")
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
 @patch
 def _checkpoint_tmp(self: PolicyActor, root: Path) -> Path:
-    "A fresh hidden directory under `root` to write a checkpoint in (`_commit_checkpoint` moves it into place)"
+    """A fresh hidden directory under `root` to write a checkpoint in (`_commit_checkpoint` moves it into place); the
+    ones of saves that died are removed first"""
     root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob('.tmp_*'):
+        shutil.rmtree(old, ignore_errors=True)
     tmp = root / f".tmp_{uuid.uuid4().hex}"
     tmp.mkdir()
     return tmp
 
+# %% ../nbs/15_actor.ipynb #e2a38564
+@dataclass(frozen=True)
+class Retention:
+    "Which checkpoints a save keeps under its root (`prune_checkpoints`)"
 
+    keep: int = 0  # the newest checkpoints kept (0: every one)
+    keep_every: int = 0  # also kept: each whose step is a multiple of this (0: none)
+    requested: bool = False  # this save was asked for by name (`run.checkpoint()`): never pruned
+
+
+def checkpoint_states(root: Path) -> dict:
+    "Checkpoint directory -> its state.json, for every checkpoint under `root`"
+    return {p: json.loads((p / 'state.json').read_text()) for p in root.glob('step_*') if (p / 'state.json').exists()}
+
+
+def prune_checkpoints(root: Path, retention: Retention) -> list:
+    """Remove the checkpoints under `root` that `retention` does not keep: it keeps the one `latest` names, the
+    requested, the newest `keep` and every `keep_every`-th step; an unrequested older save of `latest`'s step goes.
+    The directories removed"""
+    latest, states = latest_checkpoint(root), checkpoint_states(root)
+    if latest not in states:
+        return []  # `latest` names no checkpoint: nothing is pruned
+    step, every = states[latest]['step'], retention.keep_every
+    live = {p: st for p, st in states.items() if p == latest or st['step'] != step or st.get('requested')}
+    newest = sorted(live, key=lambda p: (live[p]['step'], p == latest))[-retention.keep :] if retention.keep else live
+    kept = {latest, *newest}
+    kept |= {p for p, st in live.items() if st.get('requested') or (every and st['step'] % every == 0)}
+    gone = sorted(set(states) - kept)
+    for p in gone:
+        discard(p)
+    return gone
+
+# %% ../nbs/15_actor.ipynb #c4ed69da
 @patch
 def _commit_checkpoint(
     self: PolicyActor,
@@ -817,18 +875,25 @@ def _commit_checkpoint(
     extra: dict | None,
     optimizer: dict | None,  # the optimizer state keyed by index; None: the backend wrote it in `tmp`
     rng_ranks: list | None = None,  # a trainer group's RNG states, one per rank
+    retention: Retention | None = None,  # what to keep once `latest` has moved (default: every checkpoint)
 ) -> Path:
-    "Add the config, schedule, RNG, step and version to `tmp`, move it into place as this step's, then move `latest`"
-    name = f"step_{self.step:08d}"
+    """Add the config, schedule, RNG, step and version to `tmp`, sync it to disk, move it into place as this step's
+    (a new name if the step has one), move `latest`, then prune as `retention` says"""
+    retention = retention or Retention()
     self.model.config.save_pretrained(tmp)
     trainer = dict(optimizer=optimizer, scheduler=self.scheduler.state_dict(), rng=rng_states())
     torch.save(trainer | (dict(rng_ranks=rng_ranks) if rng_ranks else {}), tmp / 'trainer.pt')
-    (tmp / 'state.json').write_text(json.dumps(dict(step=self.step, version=self.version, extra=extra or {})))
-    if (root / name).exists():
-        shutil.rmtree(root / name)
-    os.replace(tmp, root / name)
-    write_atomic(root / 'latest', name)
-    return root / name
+    state = dict(step=self.step, version=self.version, extra=extra or {}, requested=retention.requested)
+    (tmp / 'state.json').write_text(json.dumps(state))
+    sync_tree(tmp)
+    name = f"step_{self.step:08d}"
+    path = root / (f"{name}_{uuid.uuid4().hex[:8]}" if (root / name).exists() else name)
+    os.replace(tmp, path)
+    sync_tree(root, files=False)  # the rename
+    write_atomic(root / 'latest', path.name)
+    sync_tree(root, files=False)
+    prune_checkpoints(root, retention)
+    return path
 
 
 @patch
@@ -836,18 +901,22 @@ def save(
     self: PolicyActor,
     root,  # directory holding the run's checkpoints
     extra: dict | None = None,  # caller state saved alongside (e.g. the data position), JSON-serialisable
+    keep: int = 0,  # then keep the newest `keep` checkpoints under `root` (0: every one)
+    keep_every: int = 0,  # and each whose step is a multiple of this (0: none)
+    requested: bool = False,  # asked for by name (`run.checkpoint()`): this one is never pruned
 ) -> Path:
-    """Write a checkpoint of the current step under `root` and point `latest` at it (`Backend.save`). In a trainer
-    group a collective: every rank calls it and returns its path (or raises rank 0's error)"""
-    return self.backend.save(self, Path(root), extra)
+    """Write a checkpoint of the current step under `root`, point `latest` at it and prune the others (the one `latest`
+    names, the requested ones, the newest `keep` and every `keep_every`-th stay). In a trainer group a collective:
+    every rank calls it and returns its path (or raises rank 0's error)"""
+    return self.backend.save(self, Path(root), extra, Retention(keep, keep_every, requested))
 
 
 @patch
-def save(self: TorchBackend, actor: PolicyActor, root: Path, extra: dict | None) -> Path:
+def save(self: TorchBackend, actor: PolicyActor, root: Path, extra: dict | None, retention=None) -> Path:
     "The one-process format: the model's safetensors, the optimizer state keyed by index"
     tmp = actor._checkpoint_tmp(root)
     save_model(actor.model, str(tmp / 'model.safetensors'))
-    return actor._commit_checkpoint(root, tmp, extra, actor.opt.state_dict())
+    return actor._commit_checkpoint(root, tmp, extra, actor.opt.state_dict(), retention=retention)
 
 # %% ../nbs/15_actor.ipynb #123a455a
 def checkpoint_dir(path) -> Path:
@@ -948,16 +1017,16 @@ def _sharded_state(self: FSDP2Backend, actor: PolicyActor) -> dict:
 
 
 @patch
-def _write_full(self: FSDP2Backend, actor: PolicyActor, root: Path, extra, weights, optimizer, rng_ranks) -> Path:
+def _write_full(self: FSDP2Backend, actor: PolicyActor, root: Path, extra, weights, optimizer, rng_ranks, retention):
     "Rank 0: the gathered state in the one-process format, tied names kept as `save_model` keeps them"
     tmp, tied = actor._checkpoint_tmp(root), tied_names(actor.model)
     kept = {n: v.contiguous() for n, v in weights.items() if n not in tied}
     save_file(kept, str(tmp / 'model.safetensors'), metadata=tied or None)
-    return actor._commit_checkpoint(root, tmp, extra, optimizer, rng_ranks)
+    return actor._commit_checkpoint(root, tmp, extra, optimizer, rng_ranks, retention)
 
 
 @patch
-def save(self: FSDP2Backend, actor: PolicyActor, root: Path, extra: dict | None) -> Path:
+def save(self: FSDP2Backend, actor: PolicyActor, root: Path, extra: dict | None, retention=None) -> Path:
     """'full': rank 0 writes the gathered state in the one-process format; 'dcp': every rank writes its shards into
     rank 0's temporary directory, then rank 0 the rest and `latest`. Every rank calls it"""
     rng_ranks = [None] * dist.get_world_size()  # each rank's own: they need not agree
@@ -965,10 +1034,10 @@ def save(self: FSDP2Backend, actor: PolicyActor, root: Path, extra: dict | None)
         tmp = self.on_rank0(lambda: actor._checkpoint_tmp(root))
         dcp.save(self._sharded_state(actor), checkpoint_id=tmp / 'dcp')
         dist.all_gather_object(rng_ranks, rng_states())
-        return self.on_rank0(lambda: actor._commit_checkpoint(root, tmp, extra, None, rng_ranks))
+        return self.on_rank0(lambda: actor._commit_checkpoint(root, tmp, extra, None, rng_ranks, retention))
     weights, optimizer = self._full_state(actor)
     dist.all_gather_object(rng_ranks, rng_states())
-    return self.on_rank0(lambda: self._write_full(actor, root, extra, weights, optimizer, rng_ranks))
+    return self.on_rank0(lambda: self._write_full(actor, root, extra, weights, optimizer, rng_ranks, retention))
 
 # %% ../nbs/15_actor.ipynb #3b6f2e3c
 @patch

@@ -161,6 +161,9 @@ class TrainConfig:
     # within float rounding; MoE, vision and FSDP2-sharded policies score rows whole); false: every row whole
     shared_prefix: bool = True
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    # checkpoints kept in the run's checkpoints/: the newest N, plus every 10th (steps that are multiples of 10 x
+    # checkpoint_every), the one `latest` names and every one asked for (run.checkpoint()); 0 keeps all of them
+    keep_checkpoints: int = 3
     # where the policy trains: 'torch' (one process), 'fsdp2' (FSDP2 over the trainer ranks), 'automodel' (NVIDIA
     # AutoModel + FSDP2, CUDA only) or 'auto' ('torch' for one trainer rank, 'fsdp2' for more)
     backend: str = 'auto'
@@ -177,6 +180,10 @@ class TrainConfig:
             raise ValueError(f"train.logprob_chunk is {self.logprob_chunk!r}, expected an int >= 1 (token positions)")
         if self.backend not in TRAIN_BACKENDS:
             raise ValueError(f"train.backend is {self.backend!r}, expected one of {TRAIN_BACKENDS}")
+        if not (isinstance(self.keep_checkpoints, int) and self.keep_checkpoints >= 0):
+            raise ValueError(
+                f"train.keep_checkpoints is {self.keep_checkpoints!r}, expected an int >= 0 (checkpoints kept; 0: all)"
+            )
         if self.param_dtype is not None and self.param_dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"train.param_dtype is {self.param_dtype!r}, expected one of {PARAM_DTYPES} or unset (fp32 throughout)"
