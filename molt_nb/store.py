@@ -33,6 +33,7 @@ class RunStore:
         # the leading rows known to be on disk as they are: a flush writes the parts from the one holding the next
         # (0 when opened: a writer's first flush writes every part once, in this version's layout)
         self.clean, self.written = 0, None  # and how many rows the folder held after the last flush
+        self.part = (None, None)  # the newest part written: (its first row, its frame), reused by the next flush
 
     @property
     def checkpoints(self) -> Path:
@@ -93,7 +94,7 @@ class RunStore:
 
     def reset(self):
         "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
-        self.rows, self.pending, self.clean = [], [], 0
+        self.rows, self.pending, self.clean, self.part = [], [], 0, (None, None)
         for f in [self.root / 'failures.json', *(self.root / 'samples').glob('until_*.parquet')]:
             f.unlink(missing_ok=True)
         if (self.root / 'metrics.parquet').is_dir():
@@ -104,7 +105,7 @@ class RunStore:
     def truncate(self, step: int):
         "Forget what was logged after `step` (a resumed run rewrites it), and what crashed checkpoint saves left"
         self.rows = [r for r in self.rows if r['step'] <= step]
-        self.clean = min(self.clean, len(self.rows))
+        self.clean, self.part = min(self.clean, len(self.rows)), (None, None)  # the part is built again
         for tmp in self.checkpoints.glob('.tmp_*'):
             shutil.rmtree(tmp, ignore_errors=True)
         for f in (self.root / 'samples').glob('until_*.parquet'):
@@ -129,10 +130,22 @@ def write_metrics(self: RunStore):
     folder.mkdir(exist_ok=True)
     names = [f"rows_{int(self.rows[i]['step']):08d}.parquet" for i in range(0, len(self.rows), n)]
     for i in range(self.clean // n * n, len(self.rows), n):
-        write_atomic(folder / names[i // n], pd.DataFrame(self.rows[i : i + n]).to_parquet(index=False))
+        write_atomic(folder / names[i // n], self.part_frame(i).to_parquet(index=False))
     for f in set(p.name for p in folder.glob('rows_*.parquet')) - set(names):
         (folder / f).unlink()
     self.clean = self.written = len(self.rows)
+
+
+@patch
+def part_frame(self: RunStore, start: int) -> pd.DataFrame:
+    "The metrics part of the rows from `start`: the newest part's frame reused for its rows still as they were"
+    first, frame = self.part
+    end = min(start + METRICS_PART_ROWS, len(self.rows))
+    same = min(self.clean, end, start + len(frame)) - start if first == start else 0
+    new = pd.DataFrame(self.rows[start + max(same, 0) : end])
+    frame = pd.concat([frame.iloc[:same], new], ignore_index=True) if same > 0 else new
+    self.part = (start, frame)
+    return frame
 
 # %% ../nbs/19_store.ipynb #5e06b854
 TOKEN_COLUMNS = ('logp_train', 'log_ratio', 'keep', 'adv')  # per action token, from the trainer
