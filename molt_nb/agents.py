@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from fastcore.basics import patch
 from .core import Segment, Trajectory, Result, SamplingParams
-from .chat import absorb, encode, literal, render, turn_glue
+from .chat import ModelText, absorb, encode, literal, render, turn_glue
 from .vision import encode_images, flat_content
 
 # %% ../nbs/05_agents.ipynb #29b9f16b
@@ -183,7 +183,7 @@ async def run(
         )
         if gen.finish_reason == 'abort':
             raise RolloutAborted(f"rollout {rollout_id!r}: the engine aborted turn {index}")
-        seg = absorb(seg, gen)
+        seg = absorb(seg, gen, f"rollout {rollout_id!r} turn {index}")
         ids = gen.token_ids.tolist()  # a list: the tokenizer's own conversion of a tensor (`to_py_obj`) costs more
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         result = await _env_call(
@@ -238,7 +238,8 @@ def _continue(
         glue = turn_glue(self.tokenizer, flat_msgs, text, sampled, [{**new[0], 'content': flat_new}], self.tools)
     else:
         glue = literal(self.tokenizer, flat_new)
-    messages = messages + [dict(role='assistant', content=text)] + new
+    # the policy's own turn: its structure tokens (a tool call, a think block) stay structure when re-rendered
+    messages = messages + [dict(role='assistant', content=ModelText(text))] + new
     if glue is not None:
         ids, processed = self._encode(glue, images)
         nxt, sealed = seg.extend(ids, images=processed), sealed

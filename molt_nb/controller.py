@@ -408,6 +408,7 @@ def launch(
     # 'upload' through Ray Client, whose cluster is elsewhere; 'shared' on a Ray this machine is part of)
     store: str | None = None,  # the run store's path on the cluster (default: cfg.run_dir when shared, else
     # ~/molt-runs/<name> on the head node)
+    resolve_links: bool = False,  # upload what symlinks leaving the recipe point to (else they are refused, named)
 ) -> Run:
     "Start a run as a detached named actor that outlives this kernel"
     import ray
@@ -431,7 +432,7 @@ def launch(
             f"a run named {name!r} is already on this cluster: attach({name!r}) to it, or stop it first, or launch "
             "under another name"
         )
-    cfg, files, shipping = ship(cfg, name, code, store)
+    cfg, files, shipping = ship(cfg, name, code, store, resolve_links)
     if check and files is not None:
         check_on_cluster(cfg, files, shipping)
     options = dict(name=name, namespace=NAMESPACE, lifetime='detached', num_cpus=0, **shipping)

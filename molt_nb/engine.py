@@ -38,6 +38,7 @@ class Generation:
     routes: torch.Tensor | None  # (P+N, layers, top_k) int16 expert ids, -1 unknown; re-routed by a weight load
     finish_reason: str  # "stop" (a stop id), "length" (max_tokens or context), "abort" (pause(keep=False))
     prompt_len: int  # P, tokens in the request's prompt
+    engine: int | None = None  # the router's slot of the engine that sampled it (errors about the reply name it)
 
     def __len__(self):
         return len(self.token_ids)

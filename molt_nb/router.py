@@ -292,7 +292,10 @@ async def generate(
         if hasattr(engine.generate, 'remote'):  # to an engine actor the prompt travels as a numpy array (`to_wire`)
             token_ids = to_wire(token_ids)
         args = (token_ids, sampling or SamplingParams(), session_id) + (() if images is None else (images,))
-        return await call(engine, 'generate', *args)
+        gen = await call(engine, 'generate', *args)
+        if isinstance(gen, Generation):
+            gen.engine = i
+        return gen
     except Exception as e:
         if not died(e):
             raise

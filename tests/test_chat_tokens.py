@@ -231,3 +231,23 @@ def test_extend_refuses_routes_of_the_wrong_length():
         2,
         2,
     )
+
+
+def test_a_rerendered_history_keeps_the_policys_tool_call_structure():
+    """When the template rewrites history (it drops an earlier turn's think block), the conversation is rendered again:
+    the policy's earlier `<tool_call>` is still the structure token it sampled, the tool's forged one still text"""
+    tok = qwen3_tokenizer()
+    tok.chat_template = (  # every assistant turn rendered without its think block, as templates that trim history do
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' %}{{ m.content.split('</think>')[-1].lstrip() }}{% else %}{{ m.content }}"
+        "{%- endif %}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    call = '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>'
+    engine = Scripted([call, 'done<|im_end|>'])
+    runner = StepEnvRunner(ForgingTool, tok, max_turns=2, observation_role='tool')
+    sampling = SamplingParams(max_tokens=64, stop_token_ids=(tok.eos_token_id,))
+    tr = asyncio.run(runner.run(engine, {}, sampling, 'r0', 'g0'))
+    assert len(tr.segments) == 2, 'the template kept the think block: no re-render to test'
+    second = engine.prompts[1]
+    assert added_ids(second).count(ADDED['<tool_call>']) == 1  # the policy's call (the tool's forged one is text)
+    assert ADDED['</tool_response>'] not in added_ids(second)  # (this template writes none of its own)

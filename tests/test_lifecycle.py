@@ -48,7 +48,7 @@ def test_launch_decides_upload_before_it_connects(monkeypatch, tmp_path):
         raise ConnectionRefusedError('(no cluster in this test)')
 
     monkeypatch.setattr(controller, 'connect', connect)
-    monkeypatch.setattr(controller, 'ship', lambda cfg, name, code, store: shipped.append(code))
+    monkeypatch.setattr(controller, 'ship', lambda cfg, name, code, *args: shipped.append(code))
     cfg = load_config(PARITY, [f'run_dir="{tmp_path / "run"}"'])
     with pytest.raises(ConnectionRefusedError):
         launch(cfg)

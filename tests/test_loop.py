@@ -318,7 +318,8 @@ def test_failure_stop_logs_and_checkpoints_the_steps_trained(tmp_path, mode):
     assert (
         ckpt is not None and json.loads((ckpt / 'state.json').read_text())['step'] == orch.step
     )  # before: no checkpoint (checkpoint_every=0)
-    assert orch.store.failures()['train error:ConnectionError']['count'] >= 8
+    # more than max_failure_rate (0.5) of the window of 8: the stop comes at the first full window past it
+    assert orch.store.failures()['train error:ConnectionError']['count'] >= 5
 
 
 SLOW_AGENT = '''
