@@ -12,6 +12,7 @@ import argparse, datetime, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 import pandas as pd
 import torch
+from molt_nb.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
@@ -27,7 +28,7 @@ def arm(name: str, overrides: list, seed: int) -> dict:
     subprocess.run([*cmd, f'loop.seed={seed}', 'loop.debug=true', f'run_dir="{run_dir}"', *overrides], check=True)
     wall = time.perf_counter() - start
     s = pd.read_csv(run_dir / 'summary.csv').set_index('stage')
-    m = pd.read_parquet(run_dir / 'metrics.parquet')
+    m = RunStore(run_dir).metrics()
     steps = m[m.step > 0]
     return dict(
         arm=name,

@@ -24,6 +24,7 @@ from molt_nb.actor import latest_checkpoint
 from molt_nb.config import load_config
 from molt_nb.models import load_policy
 from molt_nb.train import held_out_rewards
+from molt_nb.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of one seed's row
@@ -99,7 +100,7 @@ def main():
         )
         wall = time.perf_counter() - start
         s = pd.read_csv(run_dir / 'summary.csv').set_index('stage')
-        m = pd.read_parquet(run_dir / 'metrics.parquet')
+        m = RunStore(run_dir).metrics()
         steps = m[m.step > 0]
         rows.append(
             dict(

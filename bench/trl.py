@@ -192,7 +192,7 @@ def run_trl(cfg, parts, warm: Path, seconds: float, work: Path) -> dict:
 
 def run_molt(warm: Path, seconds: float, mode: str, seed: int, work: Path) -> dict:
     "`molt-nb train` from the warm start; figures from its metrics.parquet with evaluation time left out"
-    import pandas as pd
+    from molt_nb.store import RunStore  # (this file also runs in TRL's environment, which has no molt_nb)
 
     threads = ['train.threads=2', 'rollout.threads=1'] if mode == 'sync' else ['train.threads=1', 'rollout.threads=1']
     cmd = [
@@ -201,7 +201,7 @@ def run_molt(warm: Path, seconds: float, mode: str, seed: int, work: Path) -> di
         f'loop.eval_every={MOLT_EVAL_EVERY}', f'loop.seed={seed}', *threads, f'run_dir="{work}"', '--no-control',
     ]  # fmt: skip
     subprocess.run(cmd, check=True, env=dict(os.environ, TOKENIZERS_PARALLELISM='false'))
-    m = pd.read_parquet(work / 'metrics.parquet').sort_values('step')
+    m = RunStore(work).metrics().sort_values('step')
     # a row's time is taken before its own evaluation: leave out the evaluations of the rows before it
     before = m.time_eval.fillna(0).cumsum().shift(1).fillna(0) if 'time_eval' in m else 0.0
     m = m.assign(clock=m.time - before)

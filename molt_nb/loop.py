@@ -156,8 +156,11 @@ class Trainer:
         if in_use(self.actor.algo, kind) == key:
             self.actor.algo = with_algo(self.actor.algo, kind, back)
 
-    def save(self, root: str, extra: dict) -> str:
-        return str(self.actor.save(root, extra))
+    def save(self, root: str, extra: dict, requested: bool = False) -> str:
+        "Checkpoint under `root`; the newest train.keep_checkpoints, every 10th and the `requested` ones stay"
+        t = self.cfg.train
+        keep_every = 10 * t.checkpoint_every if t.keep_checkpoints else 0
+        return str(self.actor.save(root, extra, t.keep_checkpoints, keep_every, requested))
 
     def load(self, root: str) -> dict:
         extra = self.actor.load(root)
@@ -487,10 +490,11 @@ class Orchestrator:
             for k, n in fs.counts.items()
         }
 
-    async def save(self, pool_state: dict) -> str:
-        "Checkpoint the trainer with the step, the data position and the boundary's extra; flush the store; its path"
+    async def save(self, pool_state: dict, requested: bool = False) -> str:
+        """Checkpoint the trainer with the step, the data position and the boundary's extra (`requested`: asked for by
+        name, never pruned); flush the store; its path"""
         extra = dict(step=self.step, pool=pool_state) | self.boundary.checkpoint_extra()
-        path = await self.call('save', str(self.store.checkpoints), extra)
+        path = await self.call('save', str(self.store.checkpoints), extra, requested)
         self._flush()
         return path
 

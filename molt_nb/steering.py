@@ -192,7 +192,7 @@ async def _checkpoint_now(self: Steering, work: Collected, done: asyncio.Future)
     try:
         state = self.orchestrator.pool.state()
         state['pending'] = sorted(set(state['pending']) | {t.prompt_index for t in work.trajectories})
-        done.set_result(await self.orchestrator.save(state))
+        done.set_result(await self.orchestrator.save(state, requested=True))  # never pruned
     except Exception as e:
         done.set_exception(e)
 

@@ -4,6 +4,7 @@ import os, subprocess, sys
 from pathlib import Path
 
 import pandas as pd
+from molt_nb.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ['warm_start.demos=64', 'warm_start.steps=20', 'loop.eval_tasks=16', 'rollout.groups_per_step=4']
@@ -31,4 +32,4 @@ def train_shapes(run_dir: Path, *overrides: str) -> pd.DataFrame:
         assert {'model.safetensors', 'preprocessor_config.json'} <= {p.name for p in (run_dir / kept).iterdir()}
     samples = pd.concat(pd.read_parquet(f) for f in (run_dir / 'samples').glob('until_*.parquet'))
     assert len(samples) and all(len(x) == 1 and x[0].startswith('data:image/png;base64,') for x in samples.images)
-    return pd.read_parquet(run_dir / 'metrics.parquet')
+    return RunStore(run_dir).metrics()

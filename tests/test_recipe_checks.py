@@ -9,9 +9,9 @@ instead of hanging the suite.
 
 import json, os, re, subprocess, sys, threading, time
 from pathlib import Path
-import pandas as pd
 import pytest
 from molt_nb import cli
+from molt_nb.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 PARITY = ROOT / 'recipes' / 'parity'
@@ -141,7 +141,7 @@ def test_raising_reward_is_shown_counted_and_run_goes_on(ray_local, tmp_path, ca
     assert code is None and run_seconds(run_dir) < LIMIT_S, (code, seconds, err[-3000:])
     assert 'train error:ValueError: a rollout failed' in err and 'eval error:ValueError: a rollout failed' in err, err
     assert "raise ValueError('cannot score ' + turn.text)" in err  # the agent's own line
-    m = pd.read_parquet(run_dir / 'metrics.parquet')
+    m = RunStore(run_dir).metrics()
     assert m['pool/rollouts/error:ValueError'].max() > 0 and m.eval_failed.sum() > 0
     failures = json.loads((run_dir / 'failures.json').read_text())
     assert failures['train error:ValueError']['count'] == m['pool/rollouts/error:ValueError'].max()

@@ -68,7 +68,7 @@ def test_launch_on_a_head_elsewhere_runs_the_recipe_it_sent(tmp_path):
     assert out['state'] == 'finished', out
     assert out['steps'] == [0, 1, 2, 3] and out['shown'] == out['steps'], out
     assert out['store'] == str(home / 'molt-runs' / 'elsewhere'), out
-    assert (home / 'molt-runs' / 'elsewhere' / 'metrics.parquet').is_file()
+    assert (home / 'molt-runs' / 'elsewhere' / 'metrics.parquet').exists()
     assert out['here'] == [], out  # nothing was written on the kernel's side
     assert out['recipe'] == str(home / 'molt-runs' / 'elsewhere' / 'recipe'), out  # the code that ran, kept
     assert (home / 'molt-runs' / 'elsewhere' / 'recipe' / 'agent.py').read_text() == (PARITY / 'agent.py').read_text()
