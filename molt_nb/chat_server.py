@@ -691,7 +691,7 @@ async def chat_turn(
     reply = _reply(tokenizer, gen, s.turns, tools, tuple(set(stop_token_ids) - set(s.sampling.stop_token_ids)))
     s.sealed, s.segment, s.messages, s.tools, s.reply, s.key, s.turns = (
         sealed,
-        absorb(seg, gen),
+        absorb(seg, gen, f"session {s.id!r} turn {s.turns}"),  # (a reply of the wrong shape: the engine's 500)
         messages,
         tools,
         reply,
