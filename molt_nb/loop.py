@@ -467,6 +467,8 @@ class Orchestrator:
         self.synced = asyncio.Event()
         # held while the trainer's snapshot is taken or sent: a sync, and a restore with no engine live, send from it
         self.weights_lock = asyncio.Lock()
+        self.trainer_idle = asyncio.Event()  # clear while a step trains (a colocated restore waits for it)
+        self.trainer_idle.set()
         self.engine.restore, self.restored = self.restore_engines, 0  # restores since the last step
         self.eval_failures = Failures()
 
@@ -507,7 +509,7 @@ class Orchestrator:
 
     def close(self):
         self.trackers.close()  # already closed when `run` ended
-        self.engine.close()
+        self.engine.close()  # (a restore still running is cancelled first: it would start engines nothing ends)
 
 # %% ../nbs/21_loop.ipynb #1202f442
 async def eval_rewards(
@@ -524,6 +526,8 @@ async def eval_rewards(
     async def one(i: int, task: dict) -> float:
         try:
             return (await within(runner.run(engine, task, greedy, f"eval{i}", f"eval{i}", i), timeout_s)).reward
+        except RunStopped:  # no engine could be restored: the run ends, an evaluation does not score it 0
+            raise
         except Exception as e:
             if failures is not None:
                 failures.add(reason_of(e), lambda e=e: traceback_of(e), f"eval{i}")
@@ -602,8 +606,12 @@ def _train(self: Orchestrator, work: Collected) -> asyncio.Task:
     has also snapshotted the step's weights. The trainer keeps one snapshot: in async mode this step trains while the
     last one's sync sends from it, so the new one is taken once the engines have loaded it (`synced`)"""
 
-    def train_step(batch, swaps):
-        return self.call('train_step', batch, swaps)
+    async def train_step(batch, swaps):
+        self.trainer_idle.clear()
+        try:
+            return await self.call('train_step', batch, swaps)
+        finally:
+            self.trainer_idle.set()
 
     async def step() -> StepOutput:
         out = await self.boundary.train(self.step + 1, work, train_step)
@@ -652,12 +660,16 @@ async def restore_engines(self: Orchestrator):
                 "run here (see the run's failures and its engines' logs); resume from the last checkpoint, "
                 "launch(cfg, from_checkpoint=True), once that is fixed"
             )
-        await self.engine.revive()
-        version = (await self.call('state'))['snapshot']
+        if self.cfg.cluster.layout == 'colocated':  # vLLM profiles its GPU as it starts: not beside a training step
+            await self.trainer_idle.wait()
         try:
+            await self.engine.revive()
+            version = (await self.call('state'))['snapshot']
             await self.engine.sync_weights(self.call, self.transport, version)
         except Exception as e:
-            raise RunStopped(f"no engine is live and loading the trainer's weights into a new one failed: {e}") from e
+            await self.engine.abandon(e)  # the replacements that did not load: dead again, every waiting request told
+            why = f"{type(e).__name__}: {e}"
+            raise RunStopped(f"no engine is live and starting one with the trainer's weights failed: {why}") from e
 
 # %% ../nbs/21_loop.ipynb #e107e084
 @patch

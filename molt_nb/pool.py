@@ -200,7 +200,8 @@ async def _rollout(self: Pool, index: int, j: int, task: dict) -> Trajectory | s
             raise
         except Exception as e:
             timed_out = reason_of(e) == 'timeout'
-            if timed_out and getattr(self.engine, 'outages', 0) != outages:  # it waited for engines to come back
+            # a restore of the engines ran during it (or was running when it began): it waited for them
+            if timed_out and (getattr(self.engine, 'outages', 0) != outages or outages % 2):
                 self.counters['restarted'] += 1
                 continue
             return self._failed(

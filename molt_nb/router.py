@@ -140,7 +140,7 @@ class EngineActor:
 
     def stats(self) -> dict:
         if getattr(self.engine, 'error', None) is not None:  # its thread died: the router replaces it
-            raise self.engine.error
+            raise EngineDead(str(self.engine.error))
         return dict(self.engine.stats, version=self.engine.version)
 
     def close(self):
@@ -228,7 +228,9 @@ class Router:
         # the loop's `async restore()`: with no engine live, it starts replacements at once and loads the trainer's
         # kept snapshot into them (`until_serving`); None: a request then fails ('all engines died')
         self.restore, self.restoring = None, None
-        self.outages = 0  # restores started: a rollout that timed out across one was the engines', not its agent's
+        # counted up as each restore starts and again as it ends (odd: one is running): a rollout that timed out across
+        # a restore was waiting for the engines, not for its agent
+        self.outages = 0
         self.last_death = None  # 'engine <slot> (incarnation <n>): <what its call raised>' of the latest death
         self.backend, self.workers = backend, workers
 
@@ -315,12 +317,30 @@ async def until_serving(self: Router):
         if not any(self.alive):
             if self.restore is None:
                 return  # `pick` says that every engine died
-            if self.restoring is None or (self.restoring.done() and self.restoring.exception() is None):
+            done = self.restoring is not None and self.restoring.done()
+            if self.restoring is None or (done and (self.restoring.cancelled() or not self.restoring.exception())):
                 self.restoring, self.outages = asyncio.ensure_future(self.restore()), self.outages + 1
+                self.restoring.add_done_callback(self._restored)
             await asyncio.shield(self.restoring)  # a rollout's timeout cancels its wait, never the restore
             continue
         async with self.readied:
             await self.readied.wait_for(lambda: self.serving() or not any(self.alive))
+
+
+@patch
+def _restored(self: Router, task):
+    "A restore ended (its outcome is its waiters')"
+    self.outages += 1
+
+
+@patch
+async def abandon(self: Router, cause: BaseException):
+    "A restore failed (`cause`): its replacements without weights are dead again, and every request waiting hears it"
+    for i, (alive, ready) in enumerate(zip(self.alive, self.ready)):
+        if alive and not ready:
+            self._dead(i, self.incarnation[i], cause)
+    async with self.readied:
+        self.readied.notify_all()
 
 
 @patch
@@ -510,7 +530,9 @@ async def refresh(self: Router) -> dict:
 
 @patch
 def close(self: Router):
-    "Stop every engine (actors are killed)"
+    "Stop every engine (actors are killed), after any restore still running (it would start engines nothing ends)"
+    if self.restoring is not None and not self.restoring.done():
+        self.restoring.cancel()
     for e in self.engines:
         if hasattr(e.generate, 'remote'):
             import ray

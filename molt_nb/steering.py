@@ -7,7 +7,7 @@ __all__ = ['ENDED', 'NAMESPACE', 'TRAINER_START_S', 'AtStep', 'Steering', 'swap_
            'start_processes', 'end_trainer', 'one_line', 'RunActor']
 
 # %% ../nbs/22_steering.ipynb #a2a5fbf5
-import asyncio, base64, json, time, traceback
+import asyncio, base64, json, sys, time, traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 import cloudpickle
@@ -123,7 +123,8 @@ async def _hold(self: Steering, step: int, work: Collected):
         if held or self.checkpoints:
             await self._logged(step - 1)
         while self.checkpoints:
-            await self._checkpoint_now(work, self.checkpoints.pop(0))
+            await self._checkpoint_now(work, self.checkpoints[0])
+            self.checkpoints.pop(0)  # served (a save cancelled midway leaves it listed: it fails as the run ends)
         if not (self.pause_after is not None and step > self.pause_after):
             break
         self.state = 'paused'
@@ -192,9 +193,13 @@ async def _checkpoint_now(self: Steering, work: Collected, done: asyncio.Future)
     try:
         state = self.orchestrator.pool.state()
         state['pending'] = sorted(set(state['pending']) | {t.prompt_index for t in work.trajectories})
-        done.set_result(await self.orchestrator.save(state, requested=True))  # never pruned
+        path = await self.orchestrator.save(state, requested=True)  # never pruned
     except Exception as e:
-        done.set_exception(e)
+        if not done.done():
+            done.set_exception(e)
+    else:
+        if not done.done():  # (its caller may have given up while it saved: the checkpoint is kept all the same)
+            done.set_result(path)
 
 # %% ../nbs/22_steering.ipynb #e06a29ac
 @patch
@@ -512,12 +517,19 @@ class RunActor:
             )
             if not isinstance(e, Exception):
                 raise
-        finally:
-            self.steering.end_checkpoints(latest_checkpoint(self.orchestrator.store.checkpoints))
-            self.orchestrator.close()  # the engines
-            end_trainer(self.orchestrator.trainer)  # its memory (model, optimizer, snapshot) is free again
-            if self.placement is not None:
-                self.placement.remove()  # every GPU the run reserved is free again
+        finally:  # each part on its own: one that fails must not leave the others' processes or GPUs behind
+            orch, placement = self.orchestrator, self.placement
+            ends = [
+                lambda: self.steering.end_checkpoints(latest_checkpoint(orch.store.checkpoints)),
+                orch.close,  # the engines
+                lambda: end_trainer(orch.trainer),  # its memory (model, optimizer, snapshot) is free again
+                lambda: placement is not None and placement.remove(),  # every GPU the run reserved is free again
+            ]
+            for end in ends:
+                try:
+                    end()
+                except Exception as e:
+                    print(f"molt-nb: ending run {self.name!r}: {one_line(e)}", file=sys.stderr)
 
 # %% ../nbs/22_steering.ipynb #ff20d82d
 @patch

@@ -53,3 +53,39 @@ def test_launch_decides_upload_before_it_connects(monkeypatch, tmp_path):
     with pytest.raises(ConnectionRefusedError):
         launch(cfg)
     assert not checked and controller.default_code() == 'upload'
+
+
+def test_a_restore_that_fails_after_reviving_ends_the_run_and_every_waiting_request(tmp_path):
+    """The lone engine died, and its replacement crashes while it starts: the slot is dead again (not 'alive, without
+    weights', which no sync would ever serve), and every request waiting on the restore ends the run at once"""
+    import asyncio
+    from molt_nb.loop import Orchestrator, Trainer
+    from molt_nb.pool import RunStopped
+    from molt_nb.router import EngineActor
+
+    class Crashing:  # a replacement that dies as it starts
+        def generate(self, *args):
+            raise AssertionError('never asked')
+
+        def stats(self):
+            raise RuntimeError('CUDA error: an illegal memory access was encountered')
+
+        def close(self):
+            pass
+
+    cfg = load_config(PARITY, [f'run_dir="{tmp_path / "run"}"'])
+    make = lambda slot, incarnation: EngineActor(cfg) if incarnation == 0 else Crashing()  # noqa: E731
+    orch = Orchestrator(cfg, Trainer(cfg), make_engine=make)
+
+    async def go():
+        orch.engine._dead(0, 0)
+        waiting = await asyncio.gather(*[orch.engine.generate([1, 2, 3]) for _ in range(3)], return_exceptions=True)
+        later = await asyncio.wait_for(asyncio.gather(orch.engine.generate([1]), return_exceptions=True), 1)
+        return waiting + later
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        orch.close()
+    assert all(isinstance(e, RunStopped) and 'illegal memory access' in str(e) for e in out), out
+    assert orch.engine.alive == [False] and orch.engine.counters['restarts'] == 1
