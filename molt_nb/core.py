@@ -8,7 +8,7 @@ __all__ = ['SamplingParams', 'filters_off', 'process_logits', 'token_logprobs', 
            'collate', 'check_registration', 'write_atomic', 'in_actor', 'settle_heap']
 
 # %% ../nbs/00_core.ipynb #2bda2262
-import collections, dataclasses, math, os, threading, uuid
+import collections, dataclasses, math, numbers, os, threading, uuid
 from pathlib import Path
 from dataclasses import dataclass, field
 import numpy as np
@@ -655,15 +655,17 @@ def truncate(self: Segment, n: int) -> Segment:
 
 # %% ../nbs/00_core.ipynb #2714f403
 def _number(value, name: str) -> float:
-    "A finite python float from a number or a 1-element tensor, else a ValueError naming `name`"
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
+    """A finite python float from any real number (Python's, NumPy's scalars) or a 1-element tensor or array, else a
+    ValueError naming `name`"""
+    if isinstance(value, (Tensor, np.ndarray, np.generic)):
+        size = value.numel() if isinstance(value, Tensor) else value.size
+        if size != 1:
             raise ValueError(
                 f"{name} must be a number or a 1-element tensor, got a tensor of shape {tuple(value.shape)}: reduce it "
                 "first (e.g. .sum())"
             )
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(
             f"{name} must be a finite number, got {value!r}: return a float (e.g. 0.0 for a failed attempt)"
         )
