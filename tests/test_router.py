@@ -183,3 +183,28 @@ def test_an_engine_whose_thread_died_is_replaced_and_named():
         assert await asyncio.wait_for(router.generate([1]), 5) == (0, 2)
 
     asyncio.run(go())
+
+
+def test_a_restore_in_flight_is_counted_and_cancelled_when_the_router_closes():
+    """`outages` is odd while a restore runs (a rollout that began then waited for the engines, not its agent) and
+    even once it ended; closing the router cancels a restore in flight (it would start engines nothing ends)"""
+
+    async def go():
+        router = Router(lambda slot, inc: Stub(slot, inc, set()), 1, vocab_size=8, version=0)
+        started = []
+
+        async def restore():
+            started.append(1)
+            await asyncio.sleep(3600)  # an engine that takes long to start
+
+        router.restore = restore
+        router._dead(0, 0)
+        waiting = asyncio.ensure_future(router.generate([1]))
+        await asyncio.sleep(0.05)
+        assert started == [1] and router.outages == 1 and not waiting.done()
+        router.close()
+        await asyncio.sleep(0.05)
+        assert router.restoring.cancelled() and router.outages == 2
+        waiting.cancel()
+
+    asyncio.run(go())

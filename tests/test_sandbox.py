@@ -363,8 +363,8 @@ def test_binds_add_packages(tmp_path):
     assert asyncio.run(run_python('import numpy; print(numpy.arange(4).sum())', binds=(site,), memory_mb=1024)) == '6\n'
 
 
-def _tree(root: int) -> set:
-    "Pids of the live processes below `root` (not `root` itself)"
+def _parents() -> dict:
+    "pid -> parent pid of every live process"
     parent = {}
     for p in os.listdir('/proc'):
         if p.isdigit():
@@ -372,7 +372,12 @@ def _tree(root: int) -> set:
                 parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(')', 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 pass
-    tree, new = set(), {root}
+    return parent
+
+
+def _tree(root: int) -> set:
+    "Pids of the live processes below `root` (not `root` itself)"
+    parent, tree, new = _parents(), set(), {root}
     while new:
         new = {p for p, pp in parent.items() if pp in new} - tree
         tree |= new
@@ -381,14 +386,7 @@ def _tree(root: int) -> set:
 
 def _children(pid: int) -> set:
     "Pids of the live processes whose parent is `pid`"
-    return {p for p in _tree(pid) if Path(f"/proc/{p}/stat").exists() and _parent(p) == pid}
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(')', 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    return {p for p, pp in _parents().items() if pp == pid}
 
 
 def held_by(pids: set) -> int:
