@@ -208,6 +208,7 @@ class LoopConfig:
     )
     eval_every: int = 0  # steps between held-out evaluations (0: only at the start and the end)
     eval_tasks: int | None = None  # evaluate on the first n eval tasks (None: all)
+    eval_samples: int = 8  # store the first n held-out rollouts of each evaluation, as samples (0: none)
     seed: int = 0  # model init, data order and sampling
     debug: bool = False  # check every trained token against what the engine returned
     flush_every: int = 50  # steps between writes of metrics and samples to the run store
@@ -599,6 +600,8 @@ def _check_ranges(cfg: RunConfig, r, loop_cfg):
             "loop.steps and loop.flush_every must be >= 1, loop.max_staleness and loop.eval_every >= 0; got "
             f"{loop_cfg.steps}, {loop_cfg.flush_every}, {loop_cfg.max_staleness}, {loop_cfg.eval_every}"
         )
+    if loop_cfg.eval_samples < 0:
+        raise ValueError(f"loop.eval_samples is {loop_cfg.eval_samples}: store n >= 0 held-out rollouts (0: none)")
     if cfg.train.micro_batch_rows < 1 or cfg.train.checkpoint_every < 0:
         raise ValueError("train.micro_batch_rows must be >= 1 and train.checkpoint_every >= 0")
     if cfg.model.vision and cfg.model.path is None and cfg.model.num_experts:

@@ -555,6 +555,7 @@ async def status(self: RunActor) -> dict:
         last_eval=orch.last_eval,
         failure_rate=orch.train_failures.rate,
         failures=orch.failure_table(),
+        warnings=dict(orch.warnings),  # kind -> message, each once ('truncated': rollouts often cut off)
         engines=dict(orch.engine.counters, alive=sum(orch.engine.alive), last_death=orch.engine.last_death),
     )
 

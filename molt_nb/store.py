@@ -4,13 +4,14 @@
 
 # %% auto #0
 __all__ = ['METRICS_PART_ROWS', 'TOKEN_COLUMNS', 'SAMPLE_COLUMNS', 'ROUTE_COLUMNS', 'RunStore', 'token_columns', 'sample_frame',
-           'image_column', 'route_columns']
+           'image_column', 'route_columns', 'conversation', 'run_tokenizer']
 
 # %% ../nbs/19_store.ipynb #704cc784
 import hashlib, json, shutil
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from itertools import accumulate
 from pathlib import Path
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +19,7 @@ import torch
 from fastcore.basics import patch
 from .core import write_atomic
 from .models import token_pieces
-from .config import RunConfig
+from .config import ModelConfig, RunConfig, policy_tokenizer
 
 # %% ../nbs/19_store.ipynb #87857be6
 class RunStore:
@@ -30,6 +31,7 @@ class RunStore:
         logged = (self.root / 'metrics.parquet').exists()
         self.rows = self.metrics().to_dict('records') if logged else []  # one dict per step
         self.pending = []  # sample frames not yet flushed
+        self.pending_eval = []  # held-out (evaluation) sample frames not yet flushed
         # the leading rows known to be on disk as they are: a flush writes the parts from the one holding the next
         # (0 when opened: a writer's first flush writes every part once, in this version's layout)
         self.clean, self.written = 0, None  # and how many rows the folder held after the last flush
@@ -58,8 +60,15 @@ class RunStore:
             return pd.DataFrame(columns=['step'])
         return pa.concat_tables(parts, promote_options='default').to_pandas()  # a column some parts lack: null there
 
-    def add_samples(self, df: pd.DataFrame):
-        self.pending.append(df)
+    def add_samples(self, df: pd.DataFrame, split: str = 'train'):
+        "Keep `df` to write at the next flush: a step's trained rollouts ('train') or an evaluation's ('eval')"
+        (self.pending_eval if split == 'eval' else self.pending).append(df)
+
+    def sample_dir(self, split: str = 'train') -> Path:
+        "Where the samples of `split` go: 'train' (trained rollouts) in samples/, 'eval' (held out) in samples/eval/"
+        if split not in ('train', 'eval'):
+            raise ValueError(f"split is {split!r}, expected 'train' (trained rollouts) or 'eval' (held-out ones)")
+        return self.root / 'samples' / ('eval' if split == 'eval' else '')
 
     def amend(self, row: dict):
         "Replace the last row, completed after it was logged (its final evaluation)"
@@ -73,16 +82,27 @@ class RunStore:
         traceback"""
         return json.loads((self.root / 'failures.json').read_text()) if (self.root / 'failures.json').exists() else {}
 
-    def flush(self):
-        "Write the metrics parts that changed, and the samples gathered since the last flush as one file"
-        self.write_metrics()
-        if self.pending:
-            df, self.pending = pd.concat(self.pending, ignore_index=True), []
-            write_atomic(self.root / 'samples' / f"until_{int(df.step.max()):08d}.parquet", df.to_parquet(index=False))
+    def write_warnings(self, table: dict):
+        write_atomic(self.root / 'warnings.json', json.dumps(table, indent=1))
 
-    def samples(self, step: int | None = None) -> pd.DataFrame:
-        "The rollouts trained at `step` (default: every step); a step's are read from the one file that holds them"
-        files = sorted((self.root / 'samples').glob('until_*.parquet'))
+    def warnings(self) -> dict:
+        "What the run warned of, once per kind ('truncated': too many rollouts cut off): kind -> message"
+        return json.loads((self.root / 'warnings.json').read_text()) if (self.root / 'warnings.json').exists() else {}
+
+    def flush(self):
+        "Write the metrics parts that changed, and the samples gathered since the last flush as one file per split"
+        self.write_metrics()
+        for split, frames in (('train', self.pending), ('eval', self.pending_eval)):
+            if frames:
+                df, folder = pd.concat(frames, ignore_index=True), self.sample_dir(split)
+                folder.mkdir(exist_ok=True)
+                write_atomic(folder / f"until_{int(df.step.max()):08d}.parquet", df.to_parquet(index=False))
+        self.pending, self.pending_eval = [], []
+
+    def samples(self, step: int | None = None, split: str = 'train') -> pd.DataFrame:
+        """The rollouts trained at `step` (default: every step), or with split='eval' those of its held-out
+        evaluation; a step's are read from the one file that holds them"""
+        files = sorted(self.sample_dir(split).glob('until_*.parquet'))
         if step is not None:
             files = [f for f in files if int(f.stem.removeprefix('until_')) >= step][:1]
         df = (
@@ -94,8 +114,9 @@ class RunStore:
 
     def reset(self):
         "Forget a previous run in this directory: its metrics, samples and checkpoints (a fresh run replaces them)"
-        self.rows, self.pending, self.clean, self.part = [], [], 0, (None, None)
-        for f in [self.root / 'failures.json', *(self.root / 'samples').glob('until_*.parquet')]:
+        self.rows, self.pending, self.pending_eval, self.clean, self.part = [], [], [], 0, (None, None)
+        held = [*self.sample_dir('train').glob('until_*.parquet'), *self.sample_dir('eval').glob('until_*.parquet')]
+        for f in [self.root / 'failures.json', self.root / 'warnings.json', *held]:
             f.unlink(missing_ok=True)
         if (self.root / 'metrics.parquet').is_dir():
             shutil.rmtree(self.root / 'metrics.parquet')
@@ -108,7 +129,7 @@ class RunStore:
         self.clean, self.part = min(self.clean, len(self.rows)), (None, None)  # the part is built again
         for tmp in self.checkpoints.glob('.tmp_*'):
             shutil.rmtree(tmp, ignore_errors=True)
-        for f in (self.root / 'samples').glob('until_*.parquet'):
+        for f in [*self.sample_dir('train').glob('until_*.parquet'), *self.sample_dir('eval').glob('until_*.parquet')]:
             if int(f.stem.split('_')[1]) > step:
                 df = pd.read_parquet(f)
                 if (df.step <= step).any():
@@ -155,12 +176,16 @@ SAMPLE_COLUMNS = (
     'group_id',
     'prompt_index',
     'reward',
+    'score',  # Trajectory.score: what the Env scored the rollout (its reward when the Env gave no score)
+    'truncated',  # Trajectory.truncated: a limit cut the rollout off before the Env ended the episode
     'text',  # the action tokens decoded
     'tokens',  # how many action tokens
     'versions',  # per action token: the policy version that sampled it
     'token_ids',
     'pieces',  # per action token: its text alone (`molt_nb.models.token_pieces`)
     'logp_behaviour',  # per action token: the engine's logprob
+    'segments',  # per segment: its whole context's token ids (prompt, the model's turns, observations)
+    'masks',  # per segment: its action mask as 0/1 (1 where the policy sampled the token), shaped as `segments`
     *TOKEN_COLUMNS,
     'trained',  # whether any row of the rollout trained
 )
@@ -206,6 +231,24 @@ def _action_lists(trajectories: list) -> tuple:
     return tuple(split(torch.cat([getattr(s, f) for s in segs])[mask].tolist()) for f in fields)
 
 
+def _cut(flat: list, lengths: list) -> list:
+    "`flat` cut into consecutive pieces of `lengths`"
+    ends = list(accumulate(lengths))
+    return [flat[a:b] for a, b in zip([0, *ends], ends)]
+
+
+def _segment_lists(trajectories: list) -> tuple:
+    "Per rollout: a list per segment of its token ids, and one of its action mask as 0/1 ints"
+    segs = [s for t in trajectories for s in t.segments]
+    if not segs:
+        return [[] for _ in trajectories], [[] for _ in trajectories]
+    # one host copy per field for the whole step, cut into segments, then segments into rollouts
+    sizes, counts = [len(s) for s in segs], [len(t.segments) for t in trajectories]
+    ids = _cut(torch.cat([s.token_ids for s in segs]).tolist(), sizes)
+    masks = _cut(torch.cat([s.action_mask for s in segs]).to(torch.int8).tolist(), sizes)
+    return _cut(ids, counts), _cut(masks, counts)
+
+
 def sample_frame(
     step: int,
     trajectories: list,  # the step's rollouts, in collate order
@@ -215,6 +258,7 @@ def sample_frame(
 ) -> pd.DataFrame:
     "The SAMPLE_COLUMNS (and ROUTE_COLUMNS with `train_routes`) of the rollouts trained at `step`"
     ids, versions, logprobs = _action_lists(trajectories)
+    segments, masks = _segment_lists(trajectories)
     flat = token_pieces(tokenizer, [i for row in ids for i in row])
     starts = [0, *accumulate(map(len, ids))]
     tokens = tokens or {}
@@ -224,12 +268,16 @@ def sample_frame(
         group_id=[t.group_id for t in trajectories],
         prompt_index=[t.prompt_index for t in trajectories],
         reward=[t.reward for t in trajectories],
+        score=[t.score for t in trajectories],
+        truncated=[t.truncated for t in trajectories],
         text=tokenizer.batch_decode(ids),
         tokens=[len(a) for a in ids],
         versions=versions,
         token_ids=ids,
         pieces=[flat[a:b] for a, b in zip(starts, starts[1:])],
         logp_behaviour=logprobs,
+        segments=segments,
+        masks=masks,
     )
     for k in (*TOKEN_COLUMNS, 'trained'):
         columns[k] = [tokens.get(t.rollout_id, {}).get(k) for t in trajectories]
@@ -277,3 +325,50 @@ def route_columns(trajectories: list, train_routes) -> dict:
         train.append(torch.cat([train_routes[row + i, :k] for i, k in enumerate(n)]).tolist())
         row += len(n)
     return dict(routes=rollout, train_routes=train)
+
+# %% ../nbs/19_store.ipynb #2e729f32
+def conversation(
+    row,  # one sample row (a dict or Series holding `segments` and `masks`)
+    tokenizer,  # the run's policy tokenizer (`run_tokenizer`)
+) -> list:
+    """A rollout's whole context as (text, trained) spans, segment after segment: the model's turns trained (True),
+    the prompt and the Env's observations not (False); the texts joined are the context's text"""
+    if 'segments' not in row or not isinstance(row['segments'], (list, np.ndarray)):
+        raise KeyError(
+            "this sample has no `segments`: its run was written by a molt-nb that kept only the action tokens "
+            "(`token_ids`, `text`)"
+        )
+    spans = []
+    for ids, mask in zip(row['segments'], row['masks']):
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(ids)]
+        for a, b in zip(cuts, cuts[1:]):
+            text = tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            spans.append((text, bool(mask[a])))
+    return spans
+
+
+def run_tokenizer(
+    config: dict,  # the run's config as stored (`RunStore.config()`)
+):
+    "The run's policy tokenizer: built in code for a tiny policy, else read from its local checkpoint"
+    known = {f.name for f in fields(ModelConfig)}
+    model = {k: tuple(v) if isinstance(v, list) else v for k, v in config.get('model', {}).items() if k in known}
+    return policy_tokenizer(RunConfig(config.get('recipe', ''), model=ModelConfig(**model)))[0]
+
+
+@patch
+def conversation(
+    self: RunStore,
+    rollout_id: str,
+    step: int | None = None,  # the step it trained at, or its evaluation's (default: the newest sample of the id)
+    split: str = 'train',  # 'eval': a held-out rollout (its id recurs at every evaluation)
+    tokenizer=None,  # default: the run's (`run_tokenizer`)
+) -> list:
+    "The (text, trained) spans of a stored rollout (`conversation`), read from the run directory"
+    df = self.samples(step, split)
+    rows = df[df.rollout_id == rollout_id] if len(df) else df
+    if not len(rows):
+        at = '' if step is None else f" at step {step}"
+        raise KeyError(f"no {split} sample {rollout_id!r}{at} in {self.root} (samples are written at each flush)")
+    return conversation(rows.iloc[-1], tokenizer or run_tokenizer(self.config()))
