@@ -188,8 +188,10 @@ async def run(
     env = self.env_factory()
     messages, seg = self._opening(await _env_call(env, 'reset', task), type(env).__name__)
     sealed, reward, score, info, truncated = [], 0.0, None, {}, False
+    # an engine's own context is a limit too: the episode is cut off (truncated) where it ends, not failed there
+    limit = min(self.max_context, getattr(engine, 'max_model_len', None) or self.max_context)
     for index in range(self.max_turns):
-        room = self.max_context - len(seg)
+        room = limit - len(seg)
         if room < 1:
             truncated = True
             break
@@ -225,7 +227,7 @@ async def run(
             break
         new = [dict(role=self.observation_role, content=answer_of(env, result))]
         sampled = self.tokenizer.decode(ids, skip_special_tokens=False) if self.template else text
-        if (nxt := self._continue(messages, text, sampled, new, seg, sealed)) is None:
+        if (nxt := self._continue(messages, text, sampled, new, seg, sealed, limit)) is None:
             truncated = True
             break
         messages, seg, sealed = nxt
@@ -244,7 +246,14 @@ async def run(
 # %% ../nbs/05_agents.ipynb #80539863
 @patch
 def _continue(
-    self: StepEnvRunner, messages: list, text: str, sampled: str, new: list, seg: Segment, sealed: list
+    self: StepEnvRunner,
+    messages: list,
+    text: str,
+    sampled: str,
+    new: list,
+    seg: Segment,
+    sealed: list,
+    limit: int | None = None,  # most tokens in a segment (default max_context)
 ) -> tuple:
     """Conversation and segments after an observation (glue appended, or a new segment if history was rewritten); None
     if out of room"""
@@ -263,7 +272,7 @@ def _continue(
     else:  # the template rewrote history: a new segment holds the whole conversation, every image again
         ids, processed = self._encode(*self._render(messages, True))
         nxt, sealed = Segment.prompt(ids, images=processed), sealed + [seg]
-    return None if len(nxt) >= self.max_context else (messages, nxt, sealed)
+    return None if len(nxt) >= (limit or self.max_context) else (messages, nxt, sealed)
 
 # %% ../nbs/05_agents.ipynb #65fc45cb
 def load_module(source) -> Any:

@@ -54,3 +54,28 @@ def test_a_mistake_that_passed_silently_ends_the_check(tmp_path, step, message):
 @pytest.mark.parametrize('reward', ['np.float32(1.0)', 'torch.tensor(1.0)', '1', 'np.int64(1)'])
 def test_any_real_scalar_is_a_reward(tmp_path, reward):
     assert check(recipe_with(tmp_path, f"return Result(reward={reward})")) == ''
+
+
+def test_a_reward_that_is_not_a_number_names_the_field_and_step(tmp_path):
+    said = check(recipe_with(tmp_path, "return Result(reward='1')"))
+    assert "Result.reward must be a finite number, got '1'" in said and 'in step' in said, said
+
+
+CHAIN = Path(__file__).resolve().parents[1] / 'recipes' / 'chain'
+
+
+def test_max_turns_smaller_than_the_task_needs_ends_the_check():
+    "The scripted demos play every chain through the run's runner: one cut off by max_turns names the field to raise"
+    start = time.monotonic()
+    said = check_with(CHAIN, 'agent_options={max_turns=2}')
+    assert 'was cut off after 2 turn(s) by max_turns=2: raise it' in said and 'agent_options' in said, said
+    assert time.monotonic() - start < 30
+    assert check_with(CHAIN) == ''
+
+
+def check_with(recipe: Path, *overrides: str) -> str:
+    try:
+        cli.main(['check', str(recipe), *overrides])
+    except SystemExit as e:
+        return str(e)
+    return ''
