@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['METRICS_PART_ROWS', 'TOKEN_COLUMNS', 'SAMPLE_COLUMNS', 'ROUTE_COLUMNS', 'RunStore', 'token_columns', 'sample_frame',
-           'image_column', 'route_columns', 'conversation', 'run_tokenizer']
+           'image_column', 'route_columns', 'mask_runs', 'conversation', 'run_tokenizer']
 
 # %% ../nbs/19_store.ipynb #704cc784
 import hashlib, json, shutil
@@ -327,6 +327,15 @@ def route_columns(trajectories: list, train_routes) -> dict:
     return dict(routes=rollout, train_routes=train)
 
 # %% ../nbs/19_store.ipynb #2e729f32
+def mask_runs(
+    mask,  # (T,) a segment's action mask (0/1 or bool)
+) -> list:
+    "The stretches of equal flags in `mask`, in order: (start, end, trained) each"
+    mask = np.asarray(mask, dtype=bool)
+    cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(mask)]
+    return [(a, b, bool(mask[a])) for a, b in zip(cuts, cuts[1:])]
+
+
 def conversation(
     row,  # one sample row (a dict or Series holding `segments` and `masks`)
     tokenizer,  # the run's policy tokenizer (`run_tokenizer`)
@@ -340,11 +349,10 @@ def conversation(
         )
     spans = []
     for ids, mask in zip(row['segments'], row['masks']):
-        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
-        cuts = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(ids)]
-        for a, b in zip(cuts, cuts[1:]):
+        ids = np.asarray(ids, dtype=np.int64)
+        for a, b, trained in mask_runs(mask):
             text = tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            spans.append((text, bool(mask[a])))
+            spans.append((text, trained))
     return spans
 
 
