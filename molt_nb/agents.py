@@ -218,7 +218,8 @@ async def run(
                 f"{type(env).__name__}.step returned {shown(result)}, expected a Result: return "
                 "molt_nb.core.Result(reward=...)"
             )
-        reward, score, info = reward + result.reward, result.score, {**info, **result.info}
+        reward, info = reward + result.reward, {**info, **result.info}
+        score = score if result.score is None else result.score  # the last score given; none: the episode's reward
         if result.terminated or result.truncated:
             truncated = result.truncated
             break

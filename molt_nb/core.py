@@ -730,13 +730,13 @@ class Result:
     terminated: bool = True  # the episode reached its end
     truncated: bool = False  # the episode was cut off by a limit
     info: dict = field(default_factory=dict)  # extra values; numeric ones are logged
-    score: float | None = None  # for filtering; defaults to the reward
+    score: float | None = None  # what evaluation reports and filtering reads; None: the episode's reward
     images: list | None = None  # images that come with the observation
     sampling: SamplingParams | None = None  # override the sampling parameters of the next turn
 
     def __post_init__(self):
         self.reward = _number(self.reward, 'Result.reward')
-        self.score = self.reward if self.score is None else _number(self.score, 'Result.score')
+        self.score = None if self.score is None else _number(self.score, 'Result.score')  # None: the episode's reward
         if isinstance(self.sampling, dict):
             self.sampling = SamplingParams(**self.sampling)
         if not (self.sampling is None or isinstance(self.sampling, SamplingParams)):
