@@ -6,8 +6,9 @@ answer ends the episode. The reward is the fraction of the turns answered right 
 score (what evaluation calls held-out accuracy) is 1 only for a whole chain right. The demos are played by a
 scripted policy (`solve`) through the run's own runner, so the warm start trains on exactly the contexts the
 rollouts see. The tiny model runs completion style (`template=False`: `07+45=52<|im_end|>+13=65<|im_end|>...`);
-a chat model keeps its chat template (`agent_options = {template = true}`): nothing else changes, the demos are
-rendered through the template too. Copy this folder to start a multi-turn recipe: replace `tasks`, `Chain` and
+a chat model keeps its chat template (`agent_options = {template = true}`; the tiny model then needs
+`max_context = 128` and `model.max_position = 128`, three turns being about 85 tokens): nothing else changes, the
+demos are rendered through the template too. Copy this folder to start a multi-turn recipe: replace `tasks`, `Chain` and
 `solve`.
 """
 
