@@ -58,7 +58,8 @@ class RunStore:
         parts = [pq.read_table(f) for f in sorted(path.glob('rows_*.parquet'))]
         if not parts:
             return pd.DataFrame(columns=['step'])
-        return pa.concat_tables(parts, promote_options='default').to_pandas()  # a column some parts lack: null there
+        # a column some parts lack: null there; an int column in one part, a float one (a null) in another: float
+        return pa.concat_tables(parts, promote_options='permissive').to_pandas()
 
     def add_samples(self, df: pd.DataFrame, split: str = 'train'):
         "Keep `df` to write at the next flush: a step's trained rollouts ('train') or an evaluation's ('eval')"
