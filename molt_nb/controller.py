@@ -302,8 +302,13 @@ class Run:
     def metrics(self, since: int | None = None) -> pd.DataFrame:
         return self._get('metrics', since)
 
-    def samples(self, step: int | None = None) -> pd.DataFrame:
-        return self._get('samples', step)
+    def samples(self, step: int | None = None, split: str = 'train') -> pd.DataFrame:
+        "The rollouts trained at `step` (default: all), or with split='eval' those its evaluation held out"
+        return self._get('samples', step, split)
+
+    def conversation(self, rollout_id: str, step: int | None = None, split: str = 'train') -> list:
+        "A stored rollout's whole context as (text, trained) spans: the prompt, the model's turns, the observations"
+        return self._get('conversation', rollout_id, step, split)
 
     def failures(self) -> dict:
         return self._get('failures')

@@ -600,13 +600,26 @@ async def metrics(self: RunActor, since: int | None = None) -> pd.DataFrame:
 
 
 @patch
-async def samples(self: RunActor, step: int | None = None) -> pd.DataFrame:
-    "The samples of `step` (default: all): a step's are all in memory (not yet flushed) or all on disk"
+async def samples(self: RunActor, step: int | None = None, split: str = 'train') -> pd.DataFrame:
+    """The samples of `step` (default: all), trained ('train') or held out ('eval'): a step's are all in memory (not
+    yet flushed) or all on disk"""
     store = self.orchestrator.store
+    pending = store.pending_eval if split == 'eval' else store.pending
     if step is None:
-        return pd.concat([store.samples(), *store.pending], ignore_index=True)
-    held = [p[p.step == step] for p in store.pending if len(p) and p.step.min() <= step <= p.step.max()]
-    return pd.concat(held, ignore_index=True) if held else store.samples(step)
+        return pd.concat([store.samples(split=split), *pending], ignore_index=True)
+    held = [p[p.step == step] for p in pending if len(p) and p.step.min() <= step <= p.step.max()]
+    return pd.concat(held, ignore_index=True) if held else store.samples(step, split)
+
+
+@patch
+async def conversation(self: RunActor, rollout_id: str, step: int | None = None, split: str = 'train') -> list:
+    "A sampled rollout's whole context as (text, trained) spans (`molt_nb.store.conversation`), decoded by the run"
+    df = await self.samples(step, split)
+    rows = df[df.rollout_id == rollout_id] if len(df) else df
+    if not len(rows):
+        at = '' if step is None else f" at step {step}"
+        raise KeyError(f"no {split} sample {rollout_id!r}{at} in run {self.name!r}")
+    return conversation(rows.iloc[-1], self.orchestrator.samples_tokenizer)
 
 
 @patch

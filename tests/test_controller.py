@@ -200,6 +200,9 @@ swaps = run.swaps()
 status = run.status()
 run.stop(); final = run.wait(timeout=300)
 ended = refusal(run.set_estimator, loo_unscaled)
+trained, held = run.samples(), run.samples(split='eval')
+spans = run.conversation(trained.rollout_id.iloc[-1], int(trained.step.iloc[-1]))
+held_spans = run.conversation(held.rollout_id.iloc[0], int(held.step.iloc[0]), split='eval')
 row = resumed[resumed.step == failure['step'] + 1].iloc[0]
 swapped = after['swap/estimator']
 print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=m.step.tolist(),
@@ -211,7 +214,9 @@ print(json.dumps(dict(listed=listed.name.tolist(), first=first, steps_at_attach=
                       trainer=algo.estimator, failed_row=[row.get('swap/failed'), row.get('swap/failed/reason')],
                       resumed_steps=resumed.step.tolist(),
                       swap_table=swaps[['kind', 'name', 'step', 'failed']].values.tolist(),
-                      state=status['state'], final=final['state'], ended=ended)))
+                      state=status['state'], final=final['state'], ended=ended,
+                      conversation=[[t, trained_] for t, trained_ in spans], action_text=trained.text.iloc[-1],
+                      held=len(held), held_trained=[t for _, t in held_spans])))
 run.kill()
 '''
 
@@ -265,6 +270,10 @@ def test_launch_kill_driver_attach_and_hot_swap(ray_head, tmp_path):
         ['estimator', 'flaky'],
     ]  # the refused ones never reached the run
     assert out['state'] == 'running' and out['final'] == 'stopped'
+    # a rollout read back through the run: its prompt (not trained), then its turn (trained), as the run decodes it
+    assert [t for _, t in out['conversation']] == [False, True]
+    assert out['conversation'][1][0] == out['action_text']
+    assert out['held'] > 0 and out['held_trained'] == [False, True]  # the held-out rollouts of its evaluations
     assert (
         "is stopped at step" in out['ended']
         and 'would never take effect' in out['ended']
