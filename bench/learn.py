@@ -48,10 +48,10 @@ RECIPES = dict(  # what each recipe's run is, its bar as words and as a test of 
     ),
     chain=(
         "A running total over three turns (multi-turn, completion style: `07+45=52<|im_end|>+13=65<|im_end|>...`; a "
-        "wrong answer ends the chain). Warm start: 1800 turns of 600 chains played by a scripted policy "
-        "(`scripted_demos`), 2400 supervised steps (near its plateau). RL: GRPO on unlabelled chains with a shaped "
+        "wrong answer ends the chain). Warm start: 900 turns of 300 chains played by a scripted policy "
+        "(`scripted_demos`), 2400 supervised steps. RL: GRPO on unlabelled chains with a shaped "
         "reward (the fraction of turns right), 16 chains x 8 samples per step, lr 1e-4, async with max_staleness 2 on"
-        " a local Ray, {seconds}. Control: supervised training on the same 1800 turns from the same warm start for as "
+        " a local Ray, {seconds}. Control: supervised training on the same 900 turns from the same warm start for as "
         "long as RL ran. Accuracy: the held-out score (1 for a whole chain right), greedy, on the 500 held-out "
         "chains, mean of the last 3 evaluations; the final policies on all 500. Bar: RL's final policy beats the "
         "control's by more than 3 standard errors (paired, 500 chains) on every seed.",

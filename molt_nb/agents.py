@@ -190,6 +190,11 @@ async def run(
     sealed, reward, score, info, truncated = [], 0.0, None, {}, False
     # an engine's own context is a limit too: the episode is cut off (truncated) where it ends, not failed there
     limit = min(self.max_context, getattr(engine, 'max_model_len', None) or self.max_context)
+    if len(seg) >= limit:  # the engine's context is smaller than the runner's
+        raise ValueError(
+            f"the prompt has {len(seg)} tokens and the engine's context holds {limit}: shorten the task or give the "
+            "engine a longer context (model.max_position; rollout.vllm max_model_len for vLLM)"
+        )
     for index in range(self.max_turns):
         room = limit - len(seg)
         if room < 1:

@@ -293,8 +293,8 @@ def check_prompt(
     if len(prompt) >= max_model_len:
         raise ValueError(
             f"generate: the prompt has {len(prompt)} tokens and max_model_len is {max_model_len}: "
-            "shorten the prompt or raise max_model_len (in a recipe, model.max_position; a multi-turn agent's "
-            "runner stops an episode that outgrows it)"
+            "shorten the prompt or raise max_model_len (in a recipe, model.max_position, or rollout.vllm's "
+            "max_model_len for vLLM)"
         )
     return prompt
 

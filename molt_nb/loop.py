@@ -453,6 +453,11 @@ class Orchestrator:
         backend = 'nccl' if c.device == 'cuda' else 'gloo'
         workers = c.engine_gpus if cfg.rollout.engine == 'vllm' else 1  # a vLLM engine's tensor-parallel ranks
         self.engine = Router(make, n, vocab_size, version=-1, backend=backend, workers=workers)
+        # a multi-turn runner stops an episode at the engines' context (truncated) instead of failing there: a policy
+        # built in code has model.max_position, vLLM its max_model_len when the recipe sets one
+        self.engine.max_model_len = (
+            cfg.model.max_position if cfg.model.path is None else cfg.rollout.vllm.get('max_model_len')
+        )
         local = isinstance(trainer, Trainer) and make_engine is None
         self.transport = 'inprocess' if local else c.weight_transport  # how weights reach the engines
         parts = recipe_parts(cfg, self.tokenizer)

@@ -225,20 +225,34 @@ def _check_demos(module, cfg: RunConfig, where: str, runner, tokenizer):
             f"(rollout.max_tokens={cfg.rollout.max_tokens}): raise rollout.max_tokens or shorten the demos"
         )
     if isinstance(runner, StepEnvRunner) and runner.template:
-        x = dict(role='user', content='x')
-        head = os.path.commonprefix(
-            [
-                render(tokenizer, [x], True, runner.tools),
-                render(tokenizer, [{**x, 'role': 'system'}, x], True, runner.tools),
-            ]
-        )
-        if head and (raw := next((p for p, _ in pairs if isinstance(p, str) and not p.startswith(head)), None)):
+        head, tail = _template_ends(tokenizer, runner.tools)
+        raw = next((p for p, _ in pairs if isinstance(p, str) and not (p.startswith(head) and p.endswith(tail))), None)
+        if (head or tail) and raw is not None:
             raise RecipeError(
                 f"the demo prompt {raw!r} in {where} is raw text, but its StepEnvRunner renders every prompt with the "
                 f"chat template (rollouts start with {head!r}): the warm start would train on prompts the rollouts "
                 "never see. Make the demos with molt_nb.recipe.scripted_demos (demos(n, seed, runner)), or render "
                 "each prompt with molt_nb.chat.render, or run completion style (StepEnvRunner(template=False))"
             )
+
+
+def _template_ends(tokenizer, tools) -> tuple:
+    """(head, tail): the text every prompt the chat template renders starts and ends with (its opening, its
+    generation prompt), from conversations of different contents; ('', '') when there is none to check"""
+    chats = (
+        [dict(role='user', content='a')],
+        [dict(role='user', content='b')],
+        [dict(role='system', content='c'), dict(role='user', content='b')],
+    )
+    renders = []
+    for messages in chats:
+        try:
+            renders.append(render(tokenizer, messages, True, tools))
+        except Exception:  # a template that refuses a system message
+            continue
+    if len(renders) < 2:
+        return '', ''
+    return os.path.commonprefix(renders), os.path.commonprefix([r[::-1] for r in renders])[::-1]
 
 
 def _stand_in(cfg: RunConfig) -> tuple:

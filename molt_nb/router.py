@@ -233,6 +233,7 @@ class Router:
         self.outages = 0
         self.last_death = None  # 'engine <slot> (incarnation <n>): <what its call raised>' of the latest death
         self.backend, self.workers = backend, workers
+        self.max_model_len = None  # the engines' context in tokens, when known (the loop sets it): runners stop there
 
     def __repr__(self):
         return f"Router(engines={len(self.engines)}, alive={sum(self.alive)}, inflight={self.inflight})"

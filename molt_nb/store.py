@@ -342,7 +342,8 @@ def conversation(
     tokenizer,  # the run's policy tokenizer (`run_tokenizer`)
 ) -> list:
     """A rollout's whole context as (text, trained) spans, segment after segment: the model's turns trained (True),
-    the prompt and the Env's observations not (False); the texts joined are the context's text"""
+    the prompt and the Env's observations not (False); the texts joined are the context's text (a rollout
+    whose template rewrote history: each segment's whole text, one after the other)"""
     if 'segments' not in row or not isinstance(row['segments'], (list, np.ndarray)):
         raise KeyError(
             "this sample has no `segments`: its run was written by a molt-nb that kept only the action tokens "
