@@ -19,6 +19,7 @@ from .loop import Collected, Orchestrator, StepBoundary, StepOutput, Trainer, Tr
 from .router import EngineActor
 from .placement import Placement, cluster_shape, plan
 from .remote import on_cluster
+from .store import conversation as spans_of  # `conversation` here is RunActor's method
 from molt_nb.swaps import (
     CHECK_SECONDS,
     Swap,
@@ -619,7 +620,7 @@ async def conversation(self: RunActor, rollout_id: str, step: int | None = None,
     if not len(rows):
         at = '' if step is None else f" at step {step}"
         raise KeyError(f"no {split} sample {rollout_id!r}{at} in run {self.name!r}")
-    return conversation(rows.iloc[-1], self.orchestrator.samples_tokenizer)
+    return spans_of(rows.iloc[-1], self.orchestrator.samples_tokenizer)
 
 
 @patch

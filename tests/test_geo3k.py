@@ -194,8 +194,9 @@ def test_the_synthetic_set_is_only_used_when_asked_and_is_fixed():
 
 # ------------------------------------------------------------------------------------- the check and the tool
 def tiny(cfg, **task_options):
-    "`cfg` with a tiny vision-language policy built in code (the CPU cannot load the hub model) and short turns"
-    model = ModelConfig(vision=True, max_position=2048)
+    """`cfg` with a tiny vision-language policy built in code (the CPU cannot load the hub model) and short turns; its
+    context holds the recipe's max_context, as the checkpoint's does (the check refuses a longer runner)"""
+    model = ModelConfig(vision=True, max_position=8192)
     rollout = dataclasses.replace(cfg.rollout, max_tokens=8, timeout_s=60)
     return dataclasses.replace(cfg, model=model, rollout=rollout, task_options=task_options)
 

@@ -199,8 +199,9 @@ def test_the_synthetic_set_is_only_used_when_asked_and_is_fixed():
 
 
 def tiny(cfg, **task_options):
-    "`cfg` with a tiny policy built in code (the CPU cannot load the hub model) and short turns"
-    model = ModelConfig(max_position=1024)
+    """`cfg` with a tiny policy built in code (the CPU cannot load the hub model) and short turns; its context holds the
+    recipe's max_context, as the checkpoint's does (the check refuses a runner longer than a code-built policy)"""
+    model = ModelConfig(max_position=4096)
     rollout = dataclasses.replace(cfg.rollout, max_tokens=8, timeout_s=30)
     return dataclasses.replace(cfg, model=model, rollout=rollout, task_options=task_options)
 
